@@ -1,0 +1,74 @@
+"""Error types. Every error says what was found, where, and what to do.
+
+All errors derive from :class:`CascadeError` and survive pickling, because they are
+raised inside Ray workers and re-raised in the driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class CascadeError(Exception):
+    """Base class of every error cascade-ray raises on purpose."""
+
+    exit_code: int = 1
+
+    def __reduce__(self):  # picklable across actor boundaries
+        return (self.__class__, self.args)
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a configuration.
+
+    Attributes:
+        path: dotted key path, e.g. ``stages[1].solver.type``.
+        message: what is wrong, including the offending value.
+        fix: what to change, empty when the message already says it.
+    """
+
+    path: str
+    message: str
+    fix: str = ""
+
+    def render(self) -> str:
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        return f"{text}\n    fix: {self.fix}" if self.fix else text
+
+
+class ConfigError(CascadeError):
+    """A configuration is invalid. Carries every problem found, not just the first."""
+
+    exit_code = 2
+
+    def __init__(self, issues: list[ConfigIssue] | tuple[ConfigIssue, ...], source: str = ""):
+        self.issues = tuple(issues)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{len(self.issues)} problem(s){where}:"]
+        lines += [f"  - {issue.render()}" for issue in self.issues]
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self):
+        return (self.__class__, (self.issues, self.source))
+
+
+class DataError(CascadeError):
+    """Input data is missing or malformed."""
+
+    exit_code = 2
+
+
+class ResourceError(CascadeError):
+    """A stage asks for more than the cluster can ever provide."""
+
+    exit_code = 2
+
+
+class FrozenDriftError(CascadeError):
+    """A parameter or buffer that was meant to be frozen changed during a stage."""
+
+
+class ArtifactError(CascadeError):
+    """A stage artifact is missing, truncated or altered."""

@@ -1,0 +1,144 @@
+"""Shape preflight: build every stage on the ``meta`` device and push one batch shape
+through the whole chain before any Ray resource starts.
+
+A stage whose input does not fit its upstream's output is reported with both stages
+and both shapes, and the two ways to fix it (change the width, or add an adapter).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+
+from cascade_ray.config.schema import DataConfig, PipelineConfig, StageConfig
+from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.models.cascade import StagePlan, build_adapter, build_head
+from cascade_ray.models.registry import build_module, module_in_width, tensor_width
+
+_KNOWN_SHAPES = {"fashion_mnist": (1, 28, 28), "digits": (1, 8, 8)}
+_WIDTH_KWARGS = ("in_channels", "in_features", "in_dim", "input_dim")
+_PREFLIGHT_BATCH = 2
+
+
+def data_input_shape(data: DataConfig) -> tuple[int, ...] | None:
+    """Per-sample input shape of a data source, without loading the data (None if unknown)."""
+    if data.source in _KNOWN_SHAPES:
+        return _KNOWN_SHAPES[data.source]
+    if data.image_shape is not None:
+        return tuple(data.image_shape)
+    try:
+        import pyarrow.dataset as ds
+
+        meta = ds.dataset(data.path, format="parquet").schema.metadata or {}
+        shape = meta.get(b"cascade_ray.image_shape")
+        return tuple(json.loads(shape)) if shape else None
+    except Exception:  # unreadable here: the data loader reports it with its own message
+        return None
+
+
+def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
+    """Every shape problem in the chain (empty when the chain fits)."""
+    shape = data_input_shape(cfg.data)
+    if shape is None:
+        return []
+    return plan_chain(cfg, shape, num_classes=2)[1]
+
+
+def require_plans(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> list[StagePlan]:
+    """:func:`plan_chain`, raising :class:`ConfigError` on any issue."""
+    plans, issues = plan_chain(cfg, input_shape, num_classes)
+    if issues:
+        raise ConfigError(issues)
+    return plans
+
+
+def plan_chain(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> tuple[list[StagePlan], list[ConfigIssue]]:
+    """Per-stage input/output shapes of the chain, computed on the meta device."""
+    plans: list[StagePlan] = []
+    issues: list[ConfigIssue] = []
+    shape = tuple(input_shape)
+    producer = "the data"
+    with torch.device("meta"):
+        for i, stage in enumerate(cfg.stages):
+            if stage.type != "module" or stage.model is None:
+                continue
+            plan, issue = _plan_stage(stage, i, shape, producer, num_classes)
+            if issue is not None:
+                issues.append(issue)
+                break  # downstream shapes are unknown once one stage does not fit
+            plans.append(plan)
+            shape, producer = plan.out_shape, f"stage {stage.name!r}"
+    return plans, issues
+
+
+def _plan_stage(stage: StageConfig, index: int, in_shape: tuple[int, ...], producer: str, num_classes: int) -> tuple[StagePlan, ConfigIssue | None]:
+    assert stage.model is not None
+    path = f"stages[{index}]"
+    try:
+        module = build_module(stage.model.type, stage.model.kwargs())
+    except Exception as exc:  # noqa: BLE001 - user factories fail in their own words
+        return _fail(stage, in_shape), ConfigIssue(f"{path}.model", f"stage {stage.name!r}: building {stage.model.type} failed: {exc}")
+    expected = module_in_width(module)
+    got = tensor_width((_PREFLIGHT_BATCH, *in_shape)) if len(in_shape) in (1, 2, 3) else None
+    adapter_width = expected if stage.adapter is not None and expected is not None and expected != got else None
+    if stage.adapter is not None and expected is None:
+        return _fail(stage, in_shape), ConfigIssue(
+            f"{path}.adapter", f"stage {stage.name!r}: the module has no `in_width` attribute, so the adapter's output width is unknown", "give the module an `in_width` attribute"
+        )
+    if expected is not None and got is not None and expected != got and adapter_width is None:
+        kwarg = next((k for k, v in stage.model.kwargs().items() if k in _WIDTH_KWARGS and v == expected), "in_channels")
+        return _fail(stage, in_shape), ConfigIssue(
+            f"{path}.model.{kwarg}",
+            f"stage {stage.name!r} ({stage.model.type}) expects input width {expected}, but {producer} outputs "
+            f"shape {_fmt(in_shape)} (width {got})",
+            f"set {path}.model.{kwarg}: {got}, or add {path}.adapter: {{type: linear}} to learn a projection",
+        )
+    x = torch.empty((_PREFLIGHT_BATCH, *in_shape))
+    try:
+        adapter = build_adapter(stage.adapter, in_shape, adapter_width)
+        out = module(adapter(x) if adapter is not None else x)
+        out_shape = tuple(out.shape[1:])
+        logits = build_head(stage.head, out_shape, num_classes)(out)
+    except Exception as exc:  # user modules fail in their own words: report them with the shapes
+        return _fail(stage, in_shape), ConfigIssue(
+            f"{path}.model", f"stage {stage.name!r} ({stage.model.type}) fails on input shape {_fmt(in_shape)} from {producer}: {exc}",
+            f"make the module accept {_fmt(in_shape)} or add {path}.adapter",
+        )
+    if tuple(logits.shape) != (_PREFLIGHT_BATCH, num_classes):
+        return _fail(stage, in_shape), ConfigIssue(
+            f"{path}.head.type", f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},) class logits", "use head.type: linear"
+        )
+    plan = StagePlan(stage.name, in_shape, out_shape, adapter_width)
+    if stage.pretrained is not None:
+        issue = pretrained_issue(stage.pretrained, module, f"{path}.pretrained")
+        if issue is not None:
+            return plan, issue
+    return plan, None
+
+
+def pretrained_issue(file: str, module: torch.nn.Module, key: str) -> ConfigIssue | None:
+    """A problem with a pretrained state dict for `module` (keys and shapes), or None."""
+    from cascade_ray.stage.weights import read_state_shapes
+
+    try:
+        shapes = read_state_shapes(file)
+    except Exception as exc:
+        return ConfigIssue(key, f"cannot read {file!r}: {exc}", "point it at a readable .safetensors or .pt state dict")
+    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = sorted(set(want) - set(shapes))
+    unexpected = sorted(set(shapes) - set(want))
+    wrong = sorted(k for k in set(want) & set(shapes) if want[k] != shapes[k])
+    if not (missing or unexpected or wrong):
+        return None
+    parts = [f"{label} {len(keys)} (e.g. {keys[0]!r})" for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+    return ConfigIssue(key, f"state dict in {file!r} does not match the module: {', '.join(parts)}", "save the state dict of this exact module (module.state_dict())")
+
+
+def _fail(stage: StageConfig, in_shape: tuple[int, ...]) -> StagePlan:
+    return StagePlan(stage.name, in_shape, in_shape, None)
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "(B, " + ", ".join(str(s) for s in shape) + ")"

@@ -1,0 +1,98 @@
+"""Which parts of the cascade a stage trains, and proof that the rest did not move.
+
+"Frozen" here means three things at once: ``requires_grad=False``, eval mode (so
+BatchNorm running statistics and dropout are fixed), and not in the optimizer. A
+sha256 digest of every frozen parameter *and buffer* is taken before the stage
+trains and compared after; any difference is a :class:`FrozenDriftError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import FrozenDriftError
+from cascade_ray.models.cascade import CascadeModel
+from cascade_ray.models.registry import module_layers
+from cascade_ray.stage.weights import state_digests
+
+
+@dataclass(frozen=True)
+class TrainablePlan:
+    """What a stage trains: modules by qualified name, and the frozen state-dict keys."""
+
+    trainable_modules: tuple[str, ...]
+    frozen_modules: tuple[str, ...]
+    frozen_keys: tuple[str, ...]
+
+
+def _owned(model: CascadeModel, stage: str) -> list[tuple[str, nn.Module]]:
+    """A stage's own parts: adapter, module layers in order, head."""
+    parts: list[tuple[str, nn.Module]] = []
+    if stage in model.adapters:
+        parts.append((f"adapters.{stage}", model.adapters[stage]))
+    block = model.blocks[stage]
+    names = {id(m): n for n, m in block.named_modules()}
+    for layer in module_layers(block):
+        suffix = names.get(id(layer), "")
+        parts.append((f"blocks.{stage}.{suffix}".rstrip("."), layer))
+    parts.append((f"heads.{stage}", model.heads[stage]))
+    return parts
+
+
+def plan_trainable(model: CascadeModel, cfg: PipelineConfig, index: int) -> TrainablePlan:
+    """Decide what stage `index` trains.
+
+    A module stage trains its own adapter, module and head; a joint stage trains the
+    parts named in ``trainable_layers``. In both, ``trainable_layers[s] = N`` unfreezes
+    the last N layers of upstream stage `s` (-1: all) and, in a joint stage, `s`'s head,
+    whose loss term it trains on.
+    """
+    stage = cfg.stages[index]
+    trainable: list[str] = []
+    frozen: list[str] = []
+    for name in model.order:
+        parts = _owned(model, name)
+        if name == stage.name:
+            trainable += [n for n, _ in parts]
+            continue
+        n_layers = stage.trainable_layers.get(name, 0)
+        layers = [p for p in parts if p[0].startswith("blocks.")]
+        count = len(layers) if n_layers == -1 else min(n_layers, len(layers))
+        opened = {n for n, _ in layers[len(layers) - count :]} if count else set()
+        if count and stage.type == "joint":
+            opened.add(f"heads.{name}")
+        trainable += [n for n, _ in parts if n in opened]
+        frozen += [n for n, _ in parts if n not in opened]
+    keys = [k for k in model.state_dict() if any(k.startswith(f + ".") for f in frozen)]
+    return TrainablePlan(tuple(trainable), tuple(frozen), tuple(keys))
+
+
+def apply_freeze(model: CascadeModel, plan: TrainablePlan) -> None:
+    """Set requires_grad and pin frozen modules to eval mode, per `plan`."""
+    modules = dict(model.named_modules())
+    for name in plan.frozen_modules:
+        modules[name].requires_grad_(False)
+    for name in plan.trainable_modules:
+        modules[name].requires_grad_(True)
+    model.set_frozen_modules([modules[n] for n in plan.frozen_modules])
+
+
+def frozen_digest(model: nn.Module, plan: TrainablePlan) -> dict[str, str]:
+    """Digests of every frozen parameter and buffer."""
+    return state_digests(model.state_dict(), plan.frozen_keys)
+
+
+def check_frozen(before: dict[str, str], after: dict[str, str], stage: str) -> None:
+    """Raise when any frozen tensor changed between two digests."""
+    changed = sorted(k for k in before if after.get(k) != before[k])
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise FrozenDriftError(
+            f"stage {stage!r}: {len(changed)} frozen tensor(s) changed during training: {shown}. "
+            "Frozen parameters and buffers must be bit-identical; a module's forward that updates "
+            "state in eval mode, or a custom module that ignores eval(), does this. To train "
+            f"them on purpose, list their stage in stages[...].trainable_layers."
+        )

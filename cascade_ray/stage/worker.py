@@ -1,0 +1,77 @@
+"""Ray Train glue: ``train_loop_per_worker`` for a stage, and its checkpoint format.
+
+The loop config is a plain dict (it crosses a process boundary), so the worker
+re-validates it into a :class:`PipelineConfig` before anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+
+from cascade_ray.config.loader import validate_config
+from cascade_ray.data import DataSplits
+from cascade_ray.stage.loop import run_stage
+from cascade_ray.stage.weights import load_safetensors, save_safetensors
+
+CHECKPOINT_WEIGHTS = "model.safetensors"
+CHECKPOINT_STATE = "train_state.json"
+
+
+class RayReporter:
+    """Reporter over Ray Train: every rank reports (it is a barrier); rank 0 checkpoints."""
+
+    def __init__(self, device: torch.device):
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = device
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        if self.world == 1 or not dist.is_initialized():
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def report(self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None) -> None:
+        if state is None:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            save_safetensors(state, Path(tmp) / CHECKPOINT_WEIGHTS)
+            (Path(tmp) / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Weights (numpy state dict) of a stage checkpoint directory."""
+    return load_safetensors(Path(path) / CHECKPOINT_WEIGHTS)
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
+    """Entry point Ray Train runs on every worker of a stage."""
+    cfg = validate_config(loop_config["pipeline"], source="train_loop_config", preflight=False)
+    index = int(loop_config["stage_index"])
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    # Ray pins OMP threads to the CPUs assigned; torch must follow or it oversubscribes.
+    torch.set_num_threads(max(1, int(cpus)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus))))
+    (data_ref,) = loop_config["data_ref"]
+    data = DataSplits.from_arrays(ray.get(data_ref))
+    upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
+    device = ray.train.torch.get_device()
+    reporter = RayReporter(device)
+    wrap = ray.train.torch.prepare_model if reporter.world > 1 else None
+    outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=(lambda m: wrap(m, move_to_device=False)) if wrap else None)
+    return dataclasses.asdict(outcome) if reporter.rank == 0 else None
