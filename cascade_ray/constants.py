@@ -18,6 +18,8 @@ RAY_ENV_DEFAULTS: dict[str, str] = {
     # one fewer actor per fit, and no per-fit metrics noise
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",
+    # Train V2 patches print() on workers to also log it, so every progress line showed twice
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 
 def apply_ray_env_defaults() -> dict[str, str]:

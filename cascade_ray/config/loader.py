@@ -94,8 +94,9 @@ def validate_config(
             from cascade_ray.preflight import shape_issues
 
             # a stage whose model spec is already reported cannot be built: don't report it twice
-            reported = {issue.path.split(".")[0] for issue in semantic if ".model" in issue.path}
-            issues += [i for i in shape_issues(cfg) if i.path.split(".")[0] not in reported]
+            unbuildable = {issue.path.split(".")[0] for issue in semantic if ".model" in issue.path}
+            reported = {issue.path for issue in semantic}
+            issues += [i for i in shape_issues(cfg) if i.path.split(".")[0] not in unbuildable and i.path not in reported]
     if issues:
         raise ConfigError(sorted(_dedupe(issues), key=_path_key), source)
     assert cfg is not None  # a failed parse always records an issue

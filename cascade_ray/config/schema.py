@@ -114,6 +114,18 @@ class LossConfig(_Strict):
     )
 
 
+class SchedulerConfig(_Strict):
+    """Learning-rate schedule, stepped once per optimizer step (never per micro-batch)."""
+
+    type: Literal["constant", "cosine"] = Field(
+        "constant", description="`constant`, or `cosine` decay from lr to lr * min_lr_ratio over the stage."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps of linear warmup from ~0 to lr before the schedule."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final lr of `cosine`, as a fraction of lr.")
+
+
 class SolverConfig(_Strict):
     """The stage's optimizer. Arguments the optimizer does not take are errors, not ignored."""
 
@@ -132,6 +144,24 @@ class SolverConfig(_Strict):
     momentum: float | None = Field(
         None, ge=0.0, lt=1.0, description="Momentum for SGD/RMSprop; null uses torch's default."
     )
+    lr_scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig,
+        description="The lr schedule; its length is the stage's total optimizer steps.",
+    )
+
+
+class AugmentConfig(_Strict):
+    """Random augmentation of training batches (never of validation or test data)."""
+
+    hflip: bool = Field(False, description="Flip each training image left-right with probability 0.5.")
+    crop_padding: int = Field(
+        0, ge=0, description="Zero-pad by this many pixels, then crop back at a random offset per image."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """True when any augmentation is on."""
+        return self.hflip or self.crop_padding > 0
 
 
 class TrainConfig(_Strict):
@@ -145,6 +175,9 @@ class TrainConfig(_Strict):
     eval_batch_size: int = Field(512, ge=1, description="Samples per validation batch per worker.")
     log_interval: int = Field(
         50, ge=1, description="Print a progress line every this many optimizer steps (rank 0)."
+    )
+    augment: AugmentConfig = Field(
+        default_factory=AugmentConfig, description="Random augmentation of this stage's training batches."
     )
     metric: Literal["val_accuracy", "val_loss"] = Field(
         "val_accuracy", description="Metric that selects the best checkpoint."

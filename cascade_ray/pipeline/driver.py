@@ -93,7 +93,7 @@ def run_pipeline(cfg: PipelineConfig, *, address: str | None = None, log: Callab
             state_ref = ray.put(state)  # once; every worker of the next stage reads this copy
             stages.append({
                 "name": stage.name, "type": stage.type, "metrics": best_metrics, "history": outcome["history"],
-                "wall_s": round(time.perf_counter() - t0, 2), "trainable_params": outcome["trainable_params"],
+                "wall_s": round(time.perf_counter() - t0, 2), "num_workers": outcome["world_size"], "trainable_params": outcome["trainable_params"],
                 "frozen_params": outcome["frozen_params"], "artifact": str(artifact.path),
                 "digest": artifact.manifest["weights_sha256"], "fingerprint": fp, "status": "trained",
             })

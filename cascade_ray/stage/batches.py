@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
+from cascade_ray.config.schema import AugmentConfig
+
 
 def train_batches(n: int, batch_size: int, *, rank: int, world: int, seed: int, epoch: int) -> Iterator[torch.Tensor]:
     """Shuffled index batches for one rank; every rank gets the same number of batches.
@@ -35,6 +37,23 @@ def num_train_batches(n: int, batch_size: int, world: int) -> int:
     """Batches per epoch per rank, matching :func:`train_batches`."""
     per_rank = -(-n // world)
     return -(-per_rank // batch_size)
+
+
+def augment(x: torch.Tensor, cfg: AugmentConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Per-image random horizontal flip and random-offset crop of a (B, C, H, W) batch."""
+    b, c, h, w = x.shape
+    if cfg.hflip:
+        flip = torch.rand(b, generator=generator, device=x.device) < 0.5
+        x = torch.where(flip[:, None, None, None], x.flip(3), x)
+    p = cfg.crop_padding
+    if p:
+        padded = torch.nn.functional.pad(x, (p, p, p, p))
+        oy = torch.randint(0, 2 * p + 1, (b, 1), generator=generator, device=x.device)
+        ox = torch.randint(0, 2 * p + 1, (b, 1), generator=generator, device=x.device)
+        rows = (oy + torch.arange(h, device=x.device))[:, None, :, None]
+        cols = (ox + torch.arange(w, device=x.device))[:, None, None, :]
+        x = padded[torch.arange(b, device=x.device)[:, None, None, None], torch.arange(c, device=x.device)[None, :, None, None], rows, cols]
+    return x
 
 
 class ArraySource:

@@ -64,6 +64,10 @@ def plan_trainable(model: CascadeModel, cfg: PipelineConfig, index: int) -> Trai
         opened = {n for n, _ in layers[len(layers) - count :]} if count else set()
         if count and stage.type == "joint":
             opened.add(f"heads.{name}")
+        if not opened:
+            # wholly frozen: pin the stage module itself too, so a container whose own
+            # forward reads self.training (e.g. stochastic depth) also stays in eval mode
+            parts = [p for p in parts if not p[0].startswith("blocks.")] + [(f"blocks.{name}", model.blocks[name])]
         trainable += [n for n, _ in parts if n in opened]
         frozen += [n for n, _ in parts if n not in opened]
     keys = [k for k in model.state_dict() if any(k.startswith(f + ".") for f in frozen)]

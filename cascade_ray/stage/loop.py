@@ -23,7 +23,8 @@ from cascade_ray.data import DataSplits
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
 from cascade_ray.preflight import require_plans
 from cascade_ray.solver import build_optimizer
-from cascade_ray.stage.batches import ArraySource, eval_batches, train_batches
+from cascade_ray.solver.schedule import build_scheduler, total_optimizer_steps
+from cascade_ray.stage.batches import ArraySource, augment, eval_batches, train_batches
 from cascade_ray.stage.freeze import TrainablePlan, apply_freeze, check_frozen, frozen_digest, plan_trainable
 from cascade_ray.stage.weights import load_numpy_state, load_state_file
 
@@ -49,6 +50,7 @@ class StageOutcome:
     frozen_params: int
     frozen_digest: dict[str, str]
     steps: int
+    world_size: int
     history: list[dict[str, float]]
 
 
@@ -101,6 +103,8 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
     params = [p for p in model.parameters() if p.requires_grad]
     log_vars = nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
     optimizer = build_optimizer(params + ([log_vars] if log_vars is not None else []), stage.solver)
+    total_steps = total_optimizer_steps(stage, len(data.y_train), reporter.world)
+    scheduler = build_scheduler(optimizer, stage.solver.lr_scheduler, total_steps)
     net = wrap(model) if wrap is not None else model
     train_src = ArraySource(data.x_train, data.y_train, data.mean, data.std, device)
     val_src = ArraySource(data.x_val, data.y_val, data.mean, data.std, device)
@@ -112,11 +116,14 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
         started, seen, loss_sum = time.perf_counter(), 0, torch.zeros(len(heads) + 1, device=device)
         for batch in train_batches(len(train_src), stage.train.batch_size, rank=reporter.rank, world=reporter.world, seed=stage_seed(cfg, index), epoch=epoch):
             x, y = train_src.batch(batch)
+            if stage.train.augment.enabled:
+                x = augment(x, stage.train.augment)
             terms = [F.cross_entropy(out, y, label_smoothing=stage.loss.label_smoothing) for out in net(x, heads=heads).values()]
             loss = _combine(terms, [scales[n] for n in heads], log_vars)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            scheduler.step()
             step += 1
             seen += len(y)
             loss_sum += torch.stack([loss.detach(), *[t.detach() for t in terms]]) * len(y)
@@ -127,7 +134,7 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
                 break
         train_s = time.perf_counter() - started
         sums = reporter.all_sum([float(seen), *loss_sum.tolist()])
-        metrics = {"epoch": epoch + 1, "step": step, "train_loss": sums[1] / sums[0], "lr": optimizer.param_groups[0]["lr"], "samples_per_s": sums[0] / train_s}
+        metrics = {"epoch": epoch + 1, "step": step, "train_loss": sums[1] / sums[0], "lr": scheduler.get_last_lr()[0], "samples_per_s": sums[0] / train_s}
         if stage.type == "joint":
             metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(heads)}
         metrics |= evaluate(model, val_src, heads[-1], stage, reporter, prefix="val_")
@@ -137,7 +144,7 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
         if stop:
             break
     trainable = sum(p.numel() for p in params)
-    return StageOutcome(trainable, sum(p.numel() for p in model.parameters()) - trainable, digest, step, history)
+    return StageOutcome(trainable, sum(p.numel() for p in model.parameters()) - trainable, digest, step, reporter.world, history)
 
 
 def _combine(terms: list[torch.Tensor], scales: list[float], log_vars: torch.Tensor | None) -> torch.Tensor:

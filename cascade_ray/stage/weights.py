@@ -41,7 +41,7 @@ def tensor_digest(tensor: torch.Tensor | np.ndarray) -> str:
     """sha256 of a tensor's dtype, shape and bytes (bit-exact identity)."""
     arr = tensor.detach().cpu().numpy() if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
     h = hashlib.sha256(f"{arr.dtype.str}{arr.shape}".encode())
-    h.update(np.ascontiguousarray(arr).tobytes())
+    h.update(arr.tobytes(order="C"))
     return h.hexdigest()
 
 
@@ -55,7 +55,8 @@ def save_safetensors(state: Mapping[str, np.ndarray | torch.Tensor], path: str |
     """Write a state dict as safetensors (no pickle)."""
     from safetensors.numpy import save_file
 
-    arrays = {k: (v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.ascontiguousarray(v)) for k, v in state.items()}
+    # np.ascontiguousarray would turn 0-d tensors (BatchNorm's num_batches_tracked) into 1-d
+    arrays = {k: np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, order="C") for k, v in state.items()}
     save_file(arrays, str(path), metadata=metadata)
 
 

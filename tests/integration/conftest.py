@@ -1,0 +1,24 @@
+"""One Ray instance per integration-test module, 2 CPUs, tests/support importable on workers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SUPPORT = str(Path(__file__).resolve().parents[1] / "support")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from cascade_ray.constants import apply_ray_env_defaults
+
+    env = apply_ray_env_defaults()
+    # workers import test-only user models (tests/support) by `module:Callable`
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SUPPORT, os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, runtime_env={"env_vars": env | {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    yield ray
+    ray.shutdown()
