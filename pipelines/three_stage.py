@@ -22,8 +22,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from cascade_ray.config import load_config
-from cascade_ray.errors import CascadeError
+# Importable from a checkout, or from the copy `ray job submit --working-dir .` unpacks,
+# without installing the package on the cluster first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cascade_ray.config import load_config  # noqa: E402
+from cascade_ray.errors import CascadeError  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "three_stage.yaml"
 
