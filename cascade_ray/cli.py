@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train every stage of a config")
     _add_config_args(p)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    p.add_argument("--resume", action="store_true", help="reuse stage artifacts whose fingerprint matches and whose digests verify")
+    p = sub.add_parser("tune", help="sweep one stage with Ray Tune on top of the trained (or reused) upstream")
+    _add_config_args(p)
+    p.add_argument("--space", required=True, help="search space file, e.g. tune_spaces/encoder.yaml")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
     return parser
 
 
@@ -40,7 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from cascade_ray.pipeline.driver import run_pipeline
 
-        run_pipeline(cfg, address=args.address)
+        if args.command == "tune":
+            from cascade_ray.tune.space import load_space
+
+            stage = load_space(args.space, cfg).stage
+            run_pipeline(cfg, address=args.address, resume=args.resume, spaces={stage: args.space}, stop_after=stage)
+            return 0
+        run_pipeline(cfg, address=args.address, resume=args.resume)
         return 0
     except CascadeError as exc:
         print(f"error: {exc}", file=sys.stderr)

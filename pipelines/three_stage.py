@@ -8,6 +8,7 @@ Local, with an embedded Ray (or the cluster in RAY_ADDRESS when set):
 
     python pipelines/three_stage.py
     python pipelines/three_stage.py --config pipelines/configs/debug.yaml stages.encoder.solver.lr=1e-3
+    python pipelines/three_stage.py --tune          # sweep each stage with a tune_spaces/<stage>.yaml
 
 On a cluster (storage_path must be storage every node can reach):
 
@@ -30,12 +31,16 @@ from cascade_ray.config import load_config  # noqa: E402
 from cascade_ray.errors import CascadeError  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "three_stage.yaml"
+SPACES = Path(__file__).resolve().parents[1] / "tune_spaces"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="pipeline YAML (default: %(default)s)")
     parser.add_argument("--address", default=None, help="Ray address; default RAY_ADDRESS, else an embedded Ray")
+    parser.add_argument("--tune", nargs="?", const=str(SPACES), default=None, metavar="DIR",
+                        help="sweep every stage with a DIR/<stage>.yaml space (default DIR: %(const)s), best trial frozen before the next")
+    parser.add_argument("--resume", action="store_true", help="reuse finished stages whose fingerprint matches (after a crash)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages[0].train.epochs=1")
     return parser.parse_args()
 
@@ -49,9 +54,11 @@ def main() -> int:
         print(cfg.model_dump_json(indent=2, exclude_defaults=True), flush=True)
 
         # 2. the stages, in order, each frozen and handed on through the object store
+        #    (with --tune: stages that have a search space are swept, the best trial kept)
         from cascade_ray.pipeline.driver import run_pipeline
 
-        summary = run_pipeline(cfg, address=args.address, log=lambda line: print(line, flush=True))
+        spaces = {s.name: str(Path(args.tune) / f"{s.name}.yaml") for s in cfg.stages if args.tune and (Path(args.tune) / f"{s.name}.yaml").is_file()}
+        summary = run_pipeline(cfg, address=args.address, resume=args.resume, spaces=spaces, log=lambda line: print(line, flush=True))
     except CascadeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

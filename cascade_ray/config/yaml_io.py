@@ -84,11 +84,24 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[ConfigIss
     """Apply ``key=value`` overrides in place; values are parsed as YAML.
 
     A stage may be addressed by index (``stages[1].solver.lr``) or by name
-    (``stages.encoder.solver.lr``). Returns the overrides that could not be applied;
-    the values themselves are checked later by the schema like any file value.
+    (``stages.encoder.solver.lr``). An item naming a ``.yaml`` file applies every
+    ``key: value`` in it (e.g. a sweep's ``best.yaml``). Returns the overrides that
+    could not be applied; the values themselves are checked later by the schema like
+    any file value.
     """
     issues: list[ConfigIssue] = []
     for item in overrides:
+        if "=" not in item and item.endswith((".yaml", ".yml")):
+            try:
+                pairs = read_yaml(item)
+            except ConfigError as exc:
+                issues += [ConfigIssue(item, issue.render()) for issue in exc.issues]
+                continue
+            for key, value in pairs.items():
+                problem = _set_path(raw, split_key(str(key)), value) if _KEY.match(str(key)) else f"bad key {key!r}"
+                if problem:
+                    issues.append(ConfigIssue(f"{item}: {key}", problem))
+            continue
         key, sep, text = item.partition("=")
         if not sep or not key:
             issues.append(ConfigIssue(item, "override is not key=value", "write e.g. stages[0].solver.lr=3e-4"))

@@ -56,8 +56,12 @@ def check_resources(cfg: PipelineConfig) -> None:
                 )
 
 
-def fit_stage(cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: Path, run_name: str) -> ray.train.Result:
+def fit_stage(
+    cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: Path, run_name: str, callbacks: list[Any] | None = None
+) -> ray.train.Result:
     """Train one stage as a TorchTrainer job and return its Result.
+
+    ``callbacks`` go to ``RunConfig`` (Tune trials pass ``TuneReportCallback``).
 
     Raises:
         CascadeError: a worker raised one (re-raised as is, with its message).
@@ -80,6 +84,7 @@ def fit_stage(cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstr
         run_config=ray.train.RunConfig(
             name=run_name,
             storage_path=str(ray_dir),
+            callbacks=callbacks,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=1,
                 checkpoint_score_attribute=stage.train.metric,

@@ -81,3 +81,15 @@ def test_frozen_drift_in_a_worker_is_an_error_in_the_driver(ray_session, tmp_pat
         run_pipeline(cfg, log=lambda _: None)
     # the first stage's artifact survives the failure of the second
     assert read_artifact(tmp_path / "debug" / "stages" / "features")[1]
+
+
+def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
+    cfg, first = debug_run
+    again = run_pipeline(cfg, resume=True, log=lambda _: None)
+    assert [s["status"] for s in again["stages"]] == ["reused"] * 3
+    assert again["test_accuracy"] == first["test_accuracy"]
+    storage = Path(first["storage"]).parent
+    changed = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}", "stages[2].solver.lr=5e-3"])  # downstream only
+    rerun = run_pipeline(changed, resume=True, log=lambda _: None)
+    assert [s["status"] for s in rerun["stages"]] == ["reused", "reused", "trained"]
+    assert rerun["stages"][2]["fingerprint"] != first["stages"][2]["fingerprint"]

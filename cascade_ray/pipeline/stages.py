@@ -1,0 +1,141 @@
+"""Running one stage inside a pipeline session: reuse a matching artifact, or fit, check and persist.
+
+A :class:`Handoff` is a finished stage as the next one sees it: the composed numpy state
+(put in the object store once), its object ref and its fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from cascade_ray import __version__
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import ArtifactError, FrozenDriftError
+from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
+from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
+from cascade_ray.models.cascade import build_cascade
+from cascade_ray.preflight import require_plans
+from cascade_ray.stage.freeze import apply_freeze, plan_trainable
+from cascade_ray.stage.weights import NumpyState, state_digests
+from cascade_ray.stage.worker import CHECKPOINT_STATE, read_checkpoint
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A finished stage, ready to be the frozen upstream of the next one."""
+
+    state: NumpyState
+    ref: ray.ObjectRef
+    fingerprint: str
+
+
+def stage_accounting(cfg: PipelineConfig, index: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[int, list[str], int]:
+    """(trainable params, frozen state-dict keys, frozen params) of stage `index`, built on meta."""
+    plans = require_plans(cfg, input_shape, num_classes)
+    with torch.device("meta"):
+        model = build_cascade(cfg, plans, num_classes, upto=index)
+    plan = plan_trainable(model, cfg, index)
+    apply_freeze(model, plan)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, list(plan.frozen_keys), sum(p.numel() for p in model.parameters()) - trainable
+
+
+def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str) -> str:
+    """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version."""
+    stage = cfg.stages[index].model_dump(mode="json")
+    blob = json.dumps({"stage": stage, "parent": parent, "data": data_fp, "seed": cfg.seed, "version": __version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass
+class StageSession:
+    """What every stage of one pipeline run shares: config, output folder, data in the object store."""
+
+    cfg: PipelineConfig
+    out: Path
+    data_ref: ray.ObjectRef
+    data_fp: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    log: Callable[[str], None] = print
+
+    def artifact_dir(self, index: int) -> Path:
+        return self.out / "stages" / self.cfg.stages[index].name
+
+    def run(self, index: int, upstream: Handoff | None, *, resume: bool) -> tuple[dict[str, Any], Handoff]:
+        """Reuse (with ``resume``) or train stage `index`; return its summary record and hand-off."""
+        stage = self.cfg.stages[index]
+        fp = stage_fingerprint(self.cfg, index, upstream.fingerprint if upstream else "", self.data_fp)
+        if resume:
+            reused = self._reuse(index, fp)
+            if reused is not None:
+                return reused
+        t0 = time.perf_counter()
+        name = unique_run_name(self.out / "ray", stage, index, fp)
+        result = fit_stage(self.cfg, index, data_ref=self.data_ref, upstream_ref=upstream.ref if upstream else None, ray_dir=self.out / "ray", run_name=name)
+        return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
+
+    def finish(self, index: int, upstream: Handoff | None, result: ray.train.Result, *, fp: str, run_name: str, started: float, history: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], Handoff]:
+        """Best checkpoint -> frozen hand-off check -> durable artifact -> one ray.put.
+
+        `history` is taken from rank 0's return value when the fit returned one (a run
+        read back from storage, e.g. a Tune trial, passes it in).
+        """
+        stage = self.cfg.stages[index]
+        best = result.get_best_checkpoint(stage.train.metric, metric_mode(stage))
+        with best.as_directory() as ckpt:
+            state = read_checkpoint(ckpt)
+            metrics = json.loads((Path(ckpt) / CHECKPOINT_STATE).read_text())
+        trainable, frozen_keys, frozen_params = stage_accounting(self.cfg, index, self.input_shape, self.num_classes)
+        if upstream is not None:
+            # independent of the worker's own per-epoch check: compare bits with the upstream
+            changed = frozen_changes({k: upstream.state[k] for k in frozen_keys}, state)
+            if changed:
+                raise FrozenDriftError(f"stage {stage.name!r}: {len(changed)} frozen tensor(s) differ from the upstream artifact: {', '.join(changed[:5])}")
+        outcome = result.return_value or {}
+        record = {
+            "name": stage.name, "type": stage.type, "status": "trained", "metrics": metrics, "history": outcome.get("history", history or []),
+            "num_workers": outcome.get("world_size", stage.scaling.num_workers), "trainable_params": trainable, "frozen_params": frozen_params,
+            "fingerprint": fp, "ray_run": run_name,
+        }
+        artifact = write_artifact(
+            self.artifact_dir(index), state,
+            {**{k: record[k] for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")},
+             "stage": stage.name, "index": index, "fingerprint": fp, "parent_fingerprint": upstream.fingerprint if upstream else "",
+             "data_fingerprint": self.data_fp, "frozen_digest": state_digests(state, frozen_keys)},
+        )
+        record |= {"wall_s": round(time.perf_counter() - started, 2), "artifact": str(artifact.path), "digest": artifact.manifest["weights_sha256"]}
+        return record, Handoff(state, ray.put(state), fp)  # one put; every worker of the next stage reads it
+
+    def _reuse(self, index: int, fp: str) -> tuple[dict[str, Any], Handoff] | None:
+        """The stored artifact when its fingerprint matches and it verifies; None to retrain."""
+        path = self.artifact_dir(index)
+        stage = self.cfg.stages[index]
+        if not (path / "manifest.json").exists():
+            self.log(f"  {stage.name}: no artifact to reuse, training")
+            return None
+        try:
+            artifact, state = read_artifact(path)
+        except ArtifactError as exc:
+            self.log(f"  {stage.name}: {exc}; training again")
+            return None
+        manifest = artifact.manifest
+        if manifest.get("fingerprint") != fp:
+            self.log(f"  {stage.name}: config, upstream or data changed since the stored artifact, training")
+            return None
+        record = {
+            "name": stage.name, "type": stage.type, "status": "reused", "wall_s": 0.0, "artifact": str(path),
+            "digest": manifest["weights_sha256"], "fingerprint": fp,
+            **{k: manifest[k] for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")},
+        }
+        return record, Handoff(state, ray.put(state), fp)

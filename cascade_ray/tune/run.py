@@ -1,0 +1,99 @@
+"""Sweep orchestration: upstream (reused or trained) -> Tuner -> results table -> best override.
+
+Outputs under ``{storage_path}/{name}/tune/<stage>/``: ``tune/`` (the Tune experiment,
+restorable), ``trials/`` (each trial's Train run), ``results.parquet`` (one row per trial,
+sorted by the metric) and ``best.yaml`` (the best trial's values as overrides:
+``python pipelines/three_stage.py --config X best.yaml``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+import yaml
+
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import CascadeError
+from cascade_ray.pipeline.stages import Handoff, StageSession, stage_fingerprint
+from cascade_ray.tune.space import TuneSpace
+from cascade_ray.tune.sweep import build_tuner, trial_config
+
+CONFIG_PREFIX = "config/"
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    """What a sweep found."""
+
+    stage: str
+    best_values: dict[str, Any]
+    best_metric: float
+    best_trial_run: Path
+    best_history: list[dict[str, Any]]
+    table: list[dict[str, Any]]
+    results_path: Path
+    best_yaml: Path
+
+
+def sweep_stage(session: StageSession, space: TuneSpace, space_file: str, upstream: Handoff | None, *, resume: bool) -> SweepOutcome:
+    """Run one stage's sweep on top of `upstream` (frozen, one object-store copy for all trials)."""
+    exp_dir = session.out / "tune" / space.stage
+    tuner = build_tuner(session.cfg, space, space_file=space_file, data_ref=session.data_ref, upstream_ref=upstream.ref if upstream else None, exp_dir=exp_dir, resume=resume)
+    grid = tuner.fit()
+    frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)
+    errors = [r.error for r in grid if r.error is not None]
+    if frame.empty or space.metric not in frame:
+        raise CascadeError(f"sweep of {space.stage!r}: no trial reported {space.metric!r}; first error: {errors[0] if errors else 'none'}")
+    frame = frame.sort_values(space.metric, ascending=space.mode == "min").reset_index(drop=True)
+    keep = ["trial_id", space.metric, "epoch", *[c for c in frame.columns if c.startswith(CONFIG_PREFIX)]]
+    table = frame[[c for c in keep if c in frame.columns]]
+    results_path = exp_dir / "results.parquet"
+    pq.write_table(pa.Table.from_pandas(table, preserve_index=False), results_path)
+    best = grid.get_best_result(metric=space.metric, mode=space.mode, scope="all")
+    values = {k: best.config[k] for k in space.space}
+    best_yaml = exp_dir / "best.yaml"
+    best_yaml.write_text(
+        f"# best of {len(frame)} trials of stage {space.stage!r} by {space.metric} ({space.mode})\n"
+        + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values.items()}, sort_keys=True)
+    )
+    history = [{k: v for k, v in row.items() if not k.startswith(CONFIG_PREFIX)} for row in best.metrics_dataframe.to_dict("records")] if best.metrics_dataframe is not None else []
+    trial_id = best.metrics["trial_id"]
+    return SweepOutcome(
+        space.stage, values, float(best.metrics[space.metric]), exp_dir / "trials" / f"trial-{trial_id}", history,
+        table.to_dict("records"), results_path, best_yaml,
+    )
+
+
+def format_results(outcome: SweepOutcome, metric: str, limit: int = 20) -> str:
+    """The results table, best first."""
+    rows = outcome.table[:limit]
+    keys = [k for k in rows[0] if k.startswith(CONFIG_PREFIX)] if rows else []
+    head = f"{'trial':<14} {metric:>12} {'epochs':>6} " + " ".join(f"{k[len(CONFIG_PREFIX):]:>22}" for k in keys)
+    lines = [head] + [
+        f"{str(r['trial_id']):<14} {r[metric]:>12.4f} {int(r.get('epoch', 0)):>6} " + " ".join(f"{_fmt(r[k]):>22}" for k in keys) for r in rows
+    ]
+    lines.append(f"best -> {outcome.best_yaml}  (table: {outcome.results_path})")
+    return "\n".join(lines)
+
+
+def adopt_best(session: StageSession, index: int, upstream: Handoff | None, outcome: SweepOutcome) -> tuple[PipelineConfig, dict[str, Any], Handoff]:
+    """Make the best trial the stage: its config becomes the pipeline's, its weights the artifact."""
+    cfg = trial_config(session.cfg, outcome.stage, outcome.best_values)
+    session.cfg = cfg
+    fp = stage_fingerprint(cfg, index, upstream.fingerprint if upstream else "", session.data_fp)
+    result = ray.train.Result.from_path(str(outcome.best_trial_run))
+    record, handoff = session.finish(index, upstream, result, fp=fp, run_name=outcome.best_trial_run.name, started=time.perf_counter(), history=outcome.best_history)
+    record["status"] = "tuned"
+    return cfg, record, handoff
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+

@@ -1,0 +1,170 @@
+"""Tune search spaces (``tune_spaces/<stage>.yaml``): a typed schema, checked against the stage.
+
+A space maps dotted keys of one stage's config (``solver.lr``, ``loss.scale``,
+``solver.lr_scheduler.warmup_steps``, ...) to a distribution. Every key is checked by
+writing a sample into the stage config and validating it with the pipeline schema, so a
+key that is not a stage field, or a value the stage would reject, fails before any trial.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cascade_ray.config.loader import format_path, validate_config
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.config.yaml_io import read_yaml, split_key
+from cascade_ray.errors import ConfigError, ConfigIssue
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Distribution(_Strict):
+    """Exactly one of the keys: how to sample one stage value."""
+
+    loguniform: list[float] | None = Field(None, min_length=2, max_length=2, description="[low, high], both > 0, sampled log-uniformly.")
+    uniform: list[float] | None = Field(None, min_length=2, max_length=2, description="[low, high], sampled uniformly.")
+    randint: list[int] | None = Field(None, min_length=2, max_length=2, description="[low, high), an integer.")
+    choice: list[Any] | None = Field(None, min_length=1, description="Values, sampled uniformly.")
+    grid: list[Any] | None = Field(None, min_length=1, description="Values, every one tried (times num_samples).")
+
+    def kind(self) -> str:
+        """The one distribution set."""
+        return next(k for k in type(self).model_fields if getattr(self, k) is not None)
+
+    def values(self) -> list[Any]:
+        return getattr(self, self.kind())
+
+
+class SchedulerSpec(_Strict):
+    """Trial scheduler."""
+
+    type: Literal["asha", "fifo"] = Field("asha", description="`asha` stops poor trials early; `fifo` runs all to the end.")
+    grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it can be stopped.")
+    max_t: int | None = Field(None, ge=1, description="ASHA: most epochs a trial runs; default the stage's epochs.")
+    reduction_factor: float = Field(2.0, gt=1.0, description="ASHA: keep 1/reduction_factor of trials per rung.")
+
+
+class TuneSpace(_Strict):
+    """One stage's sweep."""
+
+    stage: str = Field(description="Name of the stage to sweep; earlier stages are frozen and shared.")
+    metric: str = Field("val_accuracy", description="Reported metric to optimize.")
+    mode: Literal["max", "min"] = Field("max", description="Maximize or minimize the metric.")
+    num_samples: int = Field(4, ge=1, description="Trials to sample (per grid point when a grid is used).")
+    max_concurrent_trials: int | None = Field(
+        None, ge=1, description="Trials at once; default: as many as the cluster's CPUs/GPUs can place."
+    )
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec, description="Trial scheduler.")
+    search: Literal["random", "grid", "optuna"] = Field("random", description="Search algorithm (`optuna` when installed).")
+    space: dict[str, Distribution] = Field(min_length=1, description="Dotted stage key -> distribution.")
+
+
+def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:
+    """Read a space file and check it against `cfg` (stage exists, keys valid, ranges sane)."""
+    raw = read_yaml(path)
+    try:
+        space = TuneSpace.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError([ConfigIssue(format_path(e["loc"]), e["msg"]) for e in exc.errors(include_url=False)], str(path)) from None
+    issues = space_issues(space, cfg)
+    if issues:
+        raise ConfigError(issues, str(path))
+    return space
+
+
+def metrics_reported(cfg: PipelineConfig, stage: str) -> list[str]:
+    """Metric names a stage reports every epoch."""
+    names = ["val_accuracy", "val_loss", "train_loss", "samples_per_s", "lr", "epoch", "step"]
+    index = cfg.stage_index(stage)
+    if cfg.stages[index].type == "joint":
+        names += [f"loss/{s.name}" for s in cfg.stages[:index] if s.type == "module"]
+    return names
+
+
+def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
+    """Problems with a space relative to the pipeline config."""
+    from cascade_ray.config.loader import did_you_mean
+
+    names = [s.name for s in cfg.stages]
+    if space.stage not in names:
+        return [ConfigIssue("stage", f"no stage {space.stage!r}{did_you_mean(space.stage, names)} (stages: {', '.join(names)})")]
+    issues = []
+    reported = metrics_reported(cfg, space.stage)
+    if space.metric not in reported:
+        issues.append(ConfigIssue("metric", f"stage {space.stage!r} does not report {space.metric!r}{did_you_mean(space.metric, reported)} (reports: {', '.join(reported)})"))
+    if space.search == "grid" and any(d.kind() != "grid" for d in space.space.values()):
+        issues.append(ConfigIssue("search", "search: grid needs every space entry to be a grid", "use search: random, or grid lists only"))
+    for key, dist in space.space.items():
+        issues += _distribution_issues(f"space.{key}", dist)
+        for value in _probe_values(dist):
+            found = _key_issues(cfg, space.stage, key, value)
+            issues += found
+            if found:
+                break  # one report per key is enough
+    return _unique(issues)
+
+
+def _distribution_issues(path: str, dist: Distribution) -> list[ConfigIssue]:
+    set_keys = [k for k in Distribution.model_fields if getattr(dist, k) is not None]
+    if len(set_keys) != 1:
+        return [ConfigIssue(path, f"give exactly one distribution, got {set_keys or 'none'}", "e.g. {loguniform: [1e-4, 1e-2]}")]
+    kind, values = set_keys[0], dist.values()
+    if kind in ("loguniform", "uniform", "randint"):
+        low, high = values
+        if not low < high:
+            return [ConfigIssue(f"{path}.{kind}", f"empty or inverted range [{low}, {high}]", "write [low, high] with low < high")]
+        if kind == "loguniform" and low <= 0:
+            return [ConfigIssue(f"{path}.{kind}", f"a log range must be > 0, got low {low}", "use a positive low bound, e.g. 1e-6")]
+        if kind != "randint" and not all(math.isfinite(v) for v in values):
+            return [ConfigIssue(f"{path}.{kind}", "bounds must be finite")]
+    return []
+
+
+def _probe_values(dist: Distribution) -> list[Any]:
+    """Values to validate against the stage: the bounds, or every listed value."""
+    kind, values = dist.kind(), dist.values()
+    if kind == "randint":
+        return [values[0], values[1] - 1]
+    return list(values)
+
+
+def _key_issues(cfg: PipelineConfig, stage: str, key: str, value: Any) -> list[ConfigIssue]:
+    raw = cfg.model_dump(mode="json")
+    try:
+        set_stage_value(raw, stage, key, value)
+    except (KeyError, ValueError, IndexError, TypeError) as exc:
+        return [ConfigIssue(f"space.{key}", f"not a field of stage {stage!r}: {exc}")]
+    try:
+        validate_config(raw, preflight=False)
+    except ConfigError as exc:
+        return [ConfigIssue(f"space.{key}", f"value {value!r}: {issue.render()}") for issue in exc.issues]
+    return []
+
+
+def set_stage_value(raw: dict[str, Any], stage: str, key: str, value: Any) -> None:
+    """Write `value` at dotted `key` inside the raw config of `stage` (in place).
+
+    Intermediate keys must exist in the stage's dumped config (so a typo is reported
+    by the schema's unknown-key check at the last component, or here for the others).
+    """
+    node: Any = next(s for s in raw["stages"] if s["name"] == stage)
+    parts = split_key(key)
+    for part in parts[:-1]:
+        node = node[part]
+    if isinstance(node, list) and not isinstance(parts[-1], int):
+        raise TypeError(f"{key}: {parts[-1]!r} indexes a list")
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def _unique(issues: list[ConfigIssue]) -> list[ConfigIssue]:
+    seen: dict[tuple[str, str], ConfigIssue] = {}
+    for issue in issues:
+        seen.setdefault((issue.path, issue.message), issue)
+    return list(seen.values())

@@ -1,0 +1,116 @@
+"""Sweep one stage with Ray Tune, the upstream frozen and shared by every trial.
+
+Ray 2.60's Train V2 trainers cannot be passed to ``Tuner`` directly: each trial is a
+function that validates its sampled config and fits the stage's own ``TorchTrainer``,
+with ``TuneReportCallback`` forwarding rank 0's per-epoch reports to Tune. The data and
+upstream weights are object refs created once by the driver; trials pass the refs on
+(inside lists, so nothing resolves them early), so every trial worker reads the same
+object-store copy.
+
+Trial drivers hold no CPU (a 1-byte ``memory`` request): with Tune's default of 1 CPU per
+trial, trials on a small cluster hold the CPUs their own Train workers wait for, forever.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+
+from cascade_ray.config.loader import validate_config
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.pipeline.fit import fit_stage, worker_resources
+from cascade_ray.tune.space import TuneSpace, set_stage_value
+
+TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
+INPUTS_FILE = "inputs.json"
+
+
+def param_space(space: TuneSpace) -> dict[str, Any]:
+    """Tune's search space; keys are the stage's dotted config keys."""
+    make = {
+        "loguniform": lambda v: tune.loguniform(*v),
+        "uniform": lambda v: tune.uniform(*v),
+        "randint": lambda v: tune.randint(*v),
+        "choice": tune.choice,
+        "grid": tune.grid_search,
+    }
+    return {key: make[d.kind()](d.values()) for key, d in space.space.items()}
+
+
+def trial_config(cfg: PipelineConfig, stage: str, values: dict[str, Any]) -> PipelineConfig:
+    """`cfg` with one trial's sampled values, re-validated like a YAML file."""
+    raw = cfg.model_dump(mode="json")
+    for key, value in values.items():
+        set_stage_value(raw, stage, key, value)
+    return validate_config(raw, source=f"tune trial {values}")
+
+
+def max_concurrent(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> int:
+    """Trials that fit at once; an explicit value above that is an error."""
+    stage = cfg.stages[cfg.stage_index(space.stage)]
+    per_trial = {k: v * stage.scaling.num_workers for k, v in worker_resources(stage).items()}
+    total = ray.cluster_resources()
+    fits = min(math.floor(total.get(k, 0.0) / v) for k, v in per_trial.items() if v > 0)
+    if fits < 1:
+        raise ConfigError([ConfigIssue("stage", f"one trial of {space.stage!r} needs {per_trial}, the cluster has {total}")], space_file)
+    if space.max_concurrent_trials is not None and space.max_concurrent_trials > fits:
+        raise ConfigError(
+            [ConfigIssue("max_concurrent_trials", f"{space.max_concurrent_trials} trials x {per_trial} do not fit in the cluster ({fits} do)", f"set max_concurrent_trials: {fits} or less")],
+            space_file,
+        )
+    return space.max_concurrent_trials or fits
+
+
+def _run_trial(config: dict[str, Any], *, base: dict[str, Any], stage: str, refs: list[Any], ray_dir: str) -> None:
+    """One trial (runs in a Tune trial actor)."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    cfg = trial_config(validate_config(base, preflight=False), stage, config)
+    index = cfg.stage_index(stage)
+    trial_id = tune.get_context().get_trial_id()
+    data_ref, upstream_ref = refs[0], refs[1] if len(refs) > 1 else None
+    # Train run named after the trial: unique per trial, stable across a Tune restore
+    run = Path(ray_dir) / f"trial-{trial_id}"
+    fit_stage(cfg, index, data_ref=data_ref, upstream_ref=upstream_ref, ray_dir=run.parent, run_name=run.name, callbacks=[TuneReportCallback()])
+    # which object-store copies this trial read: the same ids for every trial, by design
+    (run / INPUTS_FILE).write_text(json.dumps({"data": data_ref.hex(), "upstream": upstream_ref.hex() if upstream_ref is not None else None}))
+
+
+def build_tuner(cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, exp_dir: Path, resume: bool) -> tune.Tuner:
+    """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists)."""
+    stage = cfg.stages[cfg.stage_index(space.stage)]
+    refs = [data_ref] + ([upstream_ref] if upstream_ref is not None else [])
+    fn = functools.partial(_run_trial, base=cfg.model_dump(mode="json"), stage=space.stage, refs=refs, ray_dir=str(exp_dir / "trials"))
+    trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
+    if resume and tune.Tuner.can_restore(str(exp_dir / "tune")):
+        return tune.Tuner.restore(str(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True)
+    scheduler = None
+    if space.scheduler.type == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        scheduler = ASHAScheduler(
+            time_attr="epoch", max_t=space.scheduler.max_t or stage.train.epochs, grace_period=space.scheduler.grace_period, reduction_factor=space.scheduler.reduction_factor
+        )
+    search_alg = None
+    if space.search == "optuna":
+        try:
+            from ray.tune.search.optuna import OptunaSearch
+        except ImportError:
+            raise ConfigError([ConfigIssue("search", "optuna is not installed", "pip install optuna, or use search: random")], space_file) from None
+        search_alg = OptunaSearch()
+    return tune.Tuner(
+        trainable,
+        param_space=param_space(space),
+        tune_config=tune.TuneConfig(
+            metric=space.metric, mode=space.mode, num_samples=space.num_samples, scheduler=scheduler, search_alg=search_alg,
+            max_concurrent_trials=max_concurrent(cfg, space, space_file),
+        ),
+        run_config=tune.RunConfig(name="tune", storage_path=str(exp_dir), verbose=0),
+    )
