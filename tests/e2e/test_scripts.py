@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from paths import CONFIGS, ROOT
@@ -14,9 +15,9 @@ SCRIPT = ROOT / "pipelines" / "three_stage.py"
 
 
 def _run(args, tmp_path, timeout=300):
-    ray_tmp = tmp_path / "ray-tmp"
-    ray_tmp.mkdir(exist_ok=True)
     # RAY_TMPDIR: a private session folder, so "did Ray start?" is a directory listing
+    # (short, under /tmp: Ray's socket paths must stay under 108 bytes)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="cr-", dir="/tmp"))
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path)
@@ -38,8 +39,9 @@ def test_pipeline_script_runs_the_debug_cascade_with_an_embedded_ray(tmp_path):
 def test_invalid_config_exits_2_listing_every_problem_and_starts_no_ray(tmp_path):
     bad = tmp_path / "bad.yaml"
     text = (CONFIGS / "debug.yaml").read_text()
-    text = text.replace("type: AdamW, lr: 3e-3, weight_decay: 1e-4", "type: Adamw, lr: 3e-3, betas: '0.9, 0.999'", 1)
+    text = text.replace("type: AdamW, lr: 1e-2, weight_decay: 1e-4", "type: Adamw, lr: 1e-2, betas: '0.9, 0.999'", 1)
     text = text.replace("in_channels: 16, d_model", "in_channels: 32, d_model").replace("log_interval: 10}", "log_interval: 10, epoch: 1}", 1)
+    assert text.count("Adamw") == 1 and text.count("epoch: 1") == 1, "the mutations must apply"
     bad.write_text(text)
     storage = tmp_path / "runs"
     for args in ([SCRIPT, "--config", bad, f"storage_path={storage}"], ["-m", "cascade_ray.cli", "validate", bad]):
