@@ -20,7 +20,7 @@ import torch
 
 from cascade_ray import __version__
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.errors import ArtifactError, FrozenDriftError
+from cascade_ray.errors import FrozenDriftError
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
 from cascade_ray.models.cascade import build_cascade
@@ -124,11 +124,8 @@ class StageSession:
         if not (path / "manifest.json").exists():
             self.log(f"  {stage.name}: no artifact to reuse, training")
             return None
-        try:
-            artifact, state = read_artifact(path)
-        except ArtifactError as exc:
-            self.log(f"  {stage.name}: {exc}; training again")
-            return None
+        # a damaged artifact is an error, never silently retrained over nor reused
+        artifact, state = read_artifact(path)
         manifest = artifact.manifest
         if manifest.get("fingerprint") != fp:
             self.log(f"  {stage.name}: config, upstream or data changed since the stored artifact, training")

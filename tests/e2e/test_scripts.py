@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 from paths import CONFIGS, ROOT
 
@@ -24,9 +28,17 @@ def _run(args, tmp_path, timeout=300):
     return proc, ray_tmp
 
 
-def test_pipeline_script_runs_the_debug_cascade_with_an_embedded_ray(tmp_path):
-    storage = tmp_path / "runs"
-    proc, ray_tmp = _run([SCRIPT, "--config", CONFIGS / "debug.yaml", f"storage_path={storage}"], tmp_path)
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory):
+    """The debug cascade, uninterrupted, through the pipeline script."""
+    tmp = tmp_path_factory.mktemp("script")
+    storage = tmp / "runs"
+    proc, ray_tmp = _run([SCRIPT, "--config", CONFIGS / "debug.yaml", f"storage_path={storage}"], tmp)
+    return proc, ray_tmp, storage
+
+
+def test_pipeline_script_runs_the_debug_cascade_with_an_embedded_ray(debug_run):
+    proc, ray_tmp, storage = debug_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((storage / "debug" / "summary.json").read_text())
     assert f"test_accuracy={summary['test_accuracy']:.4f}" in proc.stdout
@@ -59,3 +71,31 @@ def test_missing_fashion_mnist_says_how_to_install_it(tmp_path):
     assert proc.returncode == 2
     assert "apt-get install dataset-fashion-mnist" in proc.stderr and "data.root" in proc.stderr
     assert not any(ray_tmp.iterdir())
+
+
+def test_driver_killed_after_stage_one_resumes_to_the_same_result(debug_run, tmp_path):
+    _, _, reference = debug_run
+    storage = tmp_path / "runs"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="cr-", dir="/tmp"))
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    env.pop("RAY_ADDRESS", None)
+    args = [sys.executable, str(SCRIPT), "--config", str(CONFIGS / "debug.yaml"), f"storage_path={storage}"]
+    # own process group: the kill takes the embedded Ray down with the driver, like a lost node
+    proc = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    manifest = storage / "debug" / "stages" / "features" / "manifest.json"
+    deadline = time.monotonic() + 240
+    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert manifest.exists(), "stage 1 never finished"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (storage / "debug" / "stages" / "classifier").exists(), "killed too late to test anything"
+
+    resumed = subprocess.run([*args, "--resume"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((storage / "debug" / "summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["reused", "trained", "trained"]
+    expected = json.loads((reference / "debug" / "summary.json").read_text())
+    # same config, seed and data on CPU: the resumed run reproduces the uninterrupted one
+    assert summary["test_accuracy"] == expected["test_accuracy"]
+    assert [s["digest"] for s in summary["stages"]] == [s["digest"] for s in expected["stages"]]
