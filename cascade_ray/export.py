@@ -1,0 +1,143 @@
+"""``cascade-ray export RUN_DIR``: the composed model as TorchScript or ONNX, checked for parity.
+
+The exported model takes raw images (the run's normalization is built in) and returns
+class logits of the last stage's head. Parity against the eager model is measured on
+test batches (max abs diff of the logits) and, for ONNX, through onnxruntime when it is
+installed. ``--quantize int8`` applies dynamic int8 quantization to the Linear layers and
+reports the test-accuracy change.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from cascade_ray.config.loader import load_config
+from cascade_ray.data.source import load_data
+from cascade_ray.errors import CascadeError
+from cascade_ray.models.cascade import build_cascade
+from cascade_ray.pipeline.artifacts import read_artifact
+from cascade_ray.preflight import require_plans
+from cascade_ray.report.outputs import CONFIG_FILE
+from cascade_ray.stage.weights import load_numpy_state
+
+EXPORT_DIR = "export"
+PARITY_SAMPLES = 1000
+
+
+class ComposedClassifier(nn.Module):
+    """Raw images -> normalized -> every stage in order -> last head's logits."""
+
+    def __init__(self, cascade: nn.Module, mean: float, std: float):
+        super().__init__()
+        self.cascade = cascade
+        self.head = cascade.order[-1]
+        self.register_buffer("mean", torch.tensor(float(mean)))
+        self.register_buffer("std", torch.tensor(float(std)))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.cascade((images - self.mean) / self.std, heads=[self.head])[self.head]
+
+
+def load_composed(run: str | Path) -> tuple[ComposedClassifier, Any]:
+    """The composed model of a finished run (verified artifact) and the run's data splits."""
+    run = Path(run).expanduser()
+    if not (run / CONFIG_FILE).is_file() or not (run / "summary.json").is_file():
+        raise CascadeError(f"{run} is not a finished run (no {CONFIG_FILE} / summary.json): pass {{storage_path}}/{{name}}")
+    cfg = load_config(run / CONFIG_FILE)
+    summary = json.loads((run / "summary.json").read_text())
+    _, state = read_artifact(summary["stages"][-1]["artifact"])
+    data = load_data(cfg.data, cfg.seed)
+    plans = require_plans(cfg, data.image_shape, data.num_classes)
+    cascade = build_cascade(cfg, plans, data.num_classes, upto=len(cfg.stages) - 1)
+    load_numpy_state(cascade, state)
+    return ComposedClassifier(cascade, data.mean, data.std).eval(), data
+
+
+def _batches(data: Any, limit: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x = np.asarray(data.x_test[:limit], dtype=np.float32)
+    y = np.asarray(data.y_test[:limit])
+    return [(torch.from_numpy(x[i : i + 500]), torch.from_numpy(y[i : i + 500])) for i in range(0, len(y), 500)]
+
+
+def _quantizable_linears(model: nn.Module) -> tuple[set[str], int]:
+    """Names of Linear layers dynamic int8 can replace, and how many it must leave alone.
+
+    nn.TransformerEncoderLayer reads ``linear.weight`` as a tensor in its forward; a
+    dynamically quantized Linear turns it into a method, so those stay fp32.
+    """
+    inside = {f"{name}.{sub}" for name, m in model.named_modules() if isinstance(m, nn.TransformerEncoderLayer) for sub, _ in m.named_modules() if sub}
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return linears - inside, len(linears & inside)
+
+
+@torch.no_grad()
+def _accuracy(fn: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    correct = sum(int((torch.as_tensor(fn(x)).argmax(1) == y).sum()) for x, y in batches)
+    return correct / sum(len(y) for _, y in batches)
+
+
+@torch.no_grad()
+def export_run(run: str | Path, fmt: str, quantize: str | None = None) -> dict[str, Any]:
+    """Export the run's composed model; return paths and the measured parity/accuracy figures."""
+    run = Path(run).expanduser()
+    model, data = load_composed(run)
+    out = run / EXPORT_DIR
+    out.mkdir(exist_ok=True)
+    parity = _batches(data, PARITY_SAMPLES)
+    example = parity[0][0][:2]
+    report: dict[str, Any] = {"format": fmt, "eager_test_accuracy": _accuracy(model, _batches(data))}
+    if fmt == "torchscript":
+        path = out / "model.ts"
+        # grad mode: keeps nn.TransformerEncoderLayer off its inference fast path, which
+        # does not trace
+        with torch.enable_grad():
+            traced = torch.jit.trace(model, example, check_trace=False)
+        traced.save(str(path))
+        loaded = torch.jit.load(str(path))
+        report["max_abs_diff"] = max(float((loaded(x) - model(x)).abs().max()) for x, _ in parity)
+    elif fmt == "onnx":
+        path = out / "model.onnx"
+        with torch.enable_grad():
+            report["exporter"] = _export_onnx(model, example, path)
+        report |= _onnxruntime_parity(path, model, parity)
+    else:
+        raise CascadeError(f"unknown export format {fmt!r} (valid: torchscript, onnx)")
+    report["path"] = str(path)
+    if quantize == "int8":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao's deprecation notice; the API still works here
+            names, skipped = _quantizable_linears(model)
+            quantized = torch.ao.quantization.quantize_dynamic(model, names, dtype=torch.qint8)
+        report["int8_linear_layers"] = {"quantized": len(names), "kept_fp32_in_transformer_layers": skipped}
+        report["int8_test_accuracy"] = _accuracy(quantized, _batches(data))
+        report["int8_accuracy_change"] = report["int8_test_accuracy"] - report["eager_test_accuracy"]
+    (out / f"{fmt}.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> str:
+    """torch.export-based ONNX export, falling back to the TorchScript-based exporter."""
+    try:
+        torch.onnx.export(model, (example,), str(path), input_names=["images"], output_names=["logits"], dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True)
+        return "dynamo"
+    except Exception:  # noqa: BLE001 - some user modules do not trace with torch.export
+        torch.onnx.export(model, (example,), str(path), input_names=["images"], output_names=["logits"], dynamic_axes={"images": {0: "batch"}}, dynamo=False)
+        return "torchscript"
+
+
+def _onnxruntime_parity(path: Path, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return {"onnxruntime": "not installed (pip install onnxruntime to check parity)"}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    diff = max(float(np.abs(session.run(None, {name: x.numpy()})[0] - model(x).numpy()).max()) for x, _ in batches)
+    return {"onnxruntime": ort.__version__, "max_abs_diff": diff}

@@ -1,0 +1,1 @@
+"""Run outputs beyond the artifacts: metrics tables, test predictions, plots, report.md."""

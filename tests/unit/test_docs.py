@@ -1,0 +1,18 @@
+"""Docs that are generated must be current."""
+
+from __future__ import annotations
+
+from cascade_ray.config.reference import render
+from paths import ROOT
+
+
+def test_config_reference_is_generated_from_the_schema():
+    committed = (ROOT / "docs" / "config.md").read_text()
+    assert committed == render(), "docs/config.md is stale: python -m cascade_ray.config.reference > docs/config.md"
+
+
+def test_every_schema_field_is_documented():
+    import re
+
+    undocumented = re.findall(r"^\| `([^`]+)` \| [^|]+(?:\\\|[^|]+)* \| [^|]+ \|  \|$", render(), flags=re.M)
+    assert not undocumented
