@@ -1,7 +1,10 @@
 """``cascade-ray``: validate a config, or run a pipeline.
 
     cascade-ray validate pipelines/configs/three_stage.yaml stages[0].solver.lr=3e-4
-    cascade-ray run pipelines/configs/debug.yaml --address http://127.0.0.1:8265
+    cascade-ray run pipelines/configs/debug.yaml --address 127.0.0.1:6379
+    cascade-ray submit pipelines/configs/debug.yaml storage_path=s3://bucket/runs --address http://127.0.0.1:8265
+    cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--json]
+    cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
 """
 
 from __future__ import annotations
@@ -32,7 +35,71 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space", required=True, help="search space file, e.g. tune_spaces/encoder.yaml")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
+    p = sub.add_parser("submit", help="check a config here, then run its pipeline as a Ray job on a cluster and follow the logs (exit 0 SUCCEEDED, 1 FAILED)")
+    _add_config_args(p)
+    from cascade_ray.jobs import add_submit_args
+
+    add_submit_args(p)
+    p = sub.add_parser("diagnose", help="run one stage in-process for a few steps (no Ray): solver, lr plan, gradients, updates, verdict (exit 0 healthy, 1 alarms)")
+    _add_config_args(p)
+    p.add_argument("--stage", required=True, help="stage name")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps to run (default 20)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--upstream", default=None, help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)")
+    p = sub.add_parser("lr-find", help="exponential lr range test of one stage (no Ray); writes a PNG and prints the suggested lr")
+    _add_config_args(p)
+    p.add_argument("--stage", required=True, help="stage name")
+    p.add_argument("--out", default=None, help="PNG path (default lr_find_<stage>.png)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of the test (default 200)")
+    p.add_argument("--start-lr", type=float, default=1e-7, help="first lr (default 1e-7)")
+    p.add_argument("--end-lr", type=float, default=10.0, help="last lr (default 10)")
+    p.add_argument("--upstream", default=None, help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)")
+    p = sub.add_parser("report", help="PNG curves per stage, the composed model's confusion matrix and report.md of a finished run")
+    p.add_argument("run_dir", help="a finished run: {storage_path}/{name}")
+    p = sub.add_parser("export", help="export a finished run's composed model and check parity against eager")
+    p.add_argument("run_dir", help="a finished run: {storage_path}/{name}")
+    p.add_argument("--format", choices=["torchscript", "onnx"], default="torchscript", help="export format (default torchscript)")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="also report the test-accuracy change of dynamic int8 quantization")
+    sub.add_parser("ls", help="list the shipped configs and search spaces")
+    p = sub.add_parser("cp", help="copy a shipped config or space to edit it")
+    p.add_argument("name", help="a name from `cascade-ray ls`")
+    p.add_argument("dest", help="file or folder")
+    p = sub.add_parser("doctor", help="check versions, devices, cluster, storage and shared memory (exit 1 on a blocking problem)")
+    p.add_argument("--address", default=None, help="Ray cluster to check (default: RAY_ADDRESS; none: skip)")
+    p.add_argument("--storage", default=None, help="storage_path to check for writability (default ~/cascade-ray-runs)")
     return parser
+
+
+_NO_CONFIG = ("report", "export", "ls", "cp", "doctor")
+
+
+def _run_tool(args: argparse.Namespace) -> int:
+    """Subcommands that take no pipeline config."""
+    if args.command == "report":
+        from cascade_ray.report.build import build_report
+
+        print(build_report(args.run_dir))
+    elif args.command == "export":
+        import json
+
+        from cascade_ray.export import export_run
+
+        print(json.dumps(export_run(args.run_dir, args.format, args.quantize), indent=2))
+    elif args.command == "ls":
+        from cascade_ray.shipped import list_shipped
+
+        print(list_shipped())
+    elif args.command == "cp":
+        from cascade_ray.shipped import copy_shipped
+
+        print(copy_shipped(args.name, args.dest))
+    else:
+        from cascade_ray.doctor import run_doctor
+
+        return run_doctor(address=args.address, storage=args.storage)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,10 +107,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cascade_ray.config import load_config
 
     try:
+        if args.command in _NO_CONFIG:
+            return _run_tool(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
             print(f"{args.config}: OK ({len(cfg.stages)} stages: {', '.join(s.name for s in cfg.stages)})")
             return 0
+        if args.command == "submit":
+            from cascade_ray.jobs import submit
+
+            return submit(args, cfg.storage_path)
+        if args.command == "diagnose":
+            from cascade_ray.health.tools import diagnose_command
+
+            return diagnose_command(cfg, args.stage, steps=args.steps, as_json=args.json, upstream=args.upstream, device=args.device)
+        if args.command == "lr-find":
+            from cascade_ray.health.tools import lr_find_command
+
+            return lr_find_command(cfg, args.stage, out=args.out, steps=args.steps, start_lr=args.start_lr, end_lr=args.end_lr, upstream=args.upstream, device=args.device)
         from cascade_ray.pipeline.driver import run_pipeline
 
         if args.command == "tune":

@@ -70,5 +70,27 @@ class FrozenDriftError(CascadeError):
     """A parameter or buffer that was meant to be frozen changed during a stage."""
 
 
+class HealthError(CascadeError):
+    """A runtime health rule (``stages[i].health``) fired: training diverged, stalled or is misconfigured.
+
+    Attributes:
+        rule: the rule's name, e.g. ``stall``.
+        stage: the stage's name.
+        step: the optimizer step at which it fired.
+        detail: what was measured, with the numbers.
+        key: the config key most likely to fix it.
+        fix: what to change.
+    """
+
+    def __init__(self, rule: str, stage: str, step: int, detail: str, key: str, fix: str):
+        self.rule, self.stage, self.step, self.detail, self.key, self.fix = rule, stage, step, detail, key, fix
+        super().__init__(f"stage {stage!r}, optimizer step {step}: {rule}: {detail}\n    key: {key}\n    fix: {fix}")
+
+    def __reduce__(self):
+        return (self.__class__, (self.rule, self.stage, self.step, self.detail, self.key, self.fix))
+
+
 class ArtifactError(CascadeError):
     """A stage artifact is missing, truncated or altered."""
+
+    exit_code = 2

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from cascade_ray.config.schema import PipelineConfig, StageConfig
-from cascade_ray.errors import ConfigIssue
+from cascade_ray.errors import ConfigError, ConfigIssue
 
 PRETRAINED_SUFFIXES = (".safetensors", ".pt", ".pth")
 
 
 def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
     """Every cross-field problem in a schema-valid config."""
-    issues = _data_issues(cfg)
+    issues = _data_issues(cfg) + _storage_issues(cfg.storage_path) + _finite_issues(cfg)
     seen: dict[str, int] = {}
     for i, stage in enumerate(cfg.stages):
         path = f"stages[{i}]"
@@ -22,6 +25,10 @@ def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
             )
         seen.setdefault(stage.name, i)
         issues += _stage_issues(stage, i, path, [s.name for s in cfg.stages[:i]])
+    if not issues:  # needs buildable stages: param-group patterns against the real parameter names (meta device)
+        from cascade_ray.solver import param_group_issues
+
+        issues += param_group_issues(cfg)
     return issues
 
 
@@ -40,9 +47,9 @@ def _data_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
 
 
 def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]) -> list[ConfigIssue]:
-    from cascade_ray.solver import solver_issues
+    from cascade_ray.solver import stage_solver_issues
 
-    issues = solver_issues(stage.solver, f"{path}.solver")
+    issues = stage_solver_issues(stage, path)  # solver, precision, early stopping
     if stage.type == "module":
         if stage.model is None:
             issues.append(ConfigIssue(f"{path}.model", "a stage of type 'module' needs a model", "add model: {type: resnet, ...}"))
@@ -53,6 +60,8 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
     else:
         if index == 0:
             issues.append(ConfigIssue(f"{path}.type", "a joint stage needs trained stages before it", "put the joint stage last"))
+        if index > 0 and not stage.trainable_layers:  # torch refuses an optimizer over no parameters, inside the Ray worker
+            issues.append(ConfigIssue(f"{path}.trainable_layers", "a joint stage trains only what trainable_layers opens, and it opens nothing", f"list upstream stages, e.g. trainable_layers: {{{upstream[-1]}: -1}}"))
         for key in ("model", "pretrained", "adapter"):
             if getattr(stage, key) is not None:
                 issues.append(ConfigIssue(f"{path}.{key}", "a joint stage adds no module", f"remove {path}.{key}"))
@@ -68,6 +77,7 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
             issues.append(ConfigIssue(key, f"{count} layers", "use a positive count, or -1 for all layers"))
     if stage.pretrained is not None:
         issues += _pretrained_issues(stage.pretrained, f"{path}.pretrained")
+    issues += _scaling_issues(stage, f"{path}.scaling")
     return issues
 
 
@@ -78,7 +88,8 @@ def _model_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     try:
         factory = resolve_factory(stage.model.type)
     except ModelSpecError as exc:
-        return [ConfigIssue(f"{path}.model.type", str(exc))]
+        fix = "check the spelling; the module must be importable on the driver and on every Ray worker (installed, or in the job's working_dir)" if ":" in stage.model.type else ""
+        return [ConfigIssue(f"{path}.model.type", str(exc), fix)]
     return [ConfigIssue(f"{path}.model", message) for message in check_kwargs(factory, stage.model.kwargs())]
 
 
@@ -89,3 +100,69 @@ def _pretrained_issues(file: str, key: str) -> list[ConfigIssue]:
     if not p.is_file():
         return [ConfigIssue(key, f"file {str(p)!r} does not exist", "use an absolute path to an existing state-dict file")]
     return []
+
+
+def _storage_issues(storage_path: str) -> list[ConfigIssue]:
+    """An empty storage_path, or a URI the driver would refuse (before Ray) only at run time."""
+    if not storage_path.strip():
+        return [ConfigIssue("storage_path", "is empty: artifacts would land in whatever directory the driver starts in", "set an absolute path (/shared/cascade-runs) or a URI (s3://bucket/runs)")]
+    from cascade_ray.storage import parse_uri
+
+    try:
+        parse_uri(storage_path)
+    except ConfigError as exc:
+        return list(exc.issues)
+    return []
+
+
+# Floats where infinity means something: grad_clip.norm_type .inf is the max-abs norm.
+_INFINITE_OK = frozenset({"norm_type"})
+
+
+def _finite_issues(node: BaseModel, path: str = "") -> list[ConfigIssue]:
+    """Every float field that is inf (NaN already fails the range checks); `lr: .inf` parses as a float."""
+    issues = []
+    for key in type(node).model_fields:
+        issues += _finite_value(getattr(node, key), f"{path}.{key}" if path else key, key)
+    return issues
+
+
+def _finite_value(value: object, path: str, key: str) -> list[ConfigIssue]:
+    if isinstance(value, BaseModel):
+        return _finite_issues(value, path)
+    if isinstance(value, list):
+        return [issue for j, item in enumerate(value) for issue in _finite_value(item, f"{path}[{j}]", key)]
+    if isinstance(value, dict):
+        return [issue for k, item in value.items() for issue in _finite_value(item, f"{path}.{k}", key)]
+    if isinstance(value, float) and not math.isfinite(value) and key not in _INFINITE_OK:
+        return [ConfigIssue(path, f"{value} is not a finite number", "use a finite value")]
+    return []
+
+
+def _scaling_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
+    """Per-worker requests that are wrong on any cluster (cluster-dependent fits are checked after ray.init)."""
+    sc, key = stage.scaling, f"{path}.resources_per_worker"
+    issues = []
+    if sc.sync_batchnorm and sc.use_gpu is False and sc.num_workers > 1:  # one worker has nothing to sync
+        issues.append(ConfigIssue(f"{path}.sync_batchnorm", f"torch's SyncBatchNorm needs CUDA workers, but use_gpu is false ({sc.num_workers} CPU workers)", f"set {path}.sync_batchnorm: false, or {path}.use_gpu: true"))
+    res = sc.resources_per_worker
+    if res is None:
+        return issues
+    for name, amount in res.items():
+        if name.upper() in ("CPU", "GPU") and name not in ("CPU", "GPU"):
+            issues.append(ConfigIssue(f"{key}.{name}", f"Ray's resource is {name.upper()!r}; {name!r} would be a custom resource no node advertises", f"write {name.upper()}: {amount:g}"))
+        if amount < 0:
+            issues.append(ConfigIssue(f"{key}.{name}", f"{name}: {amount:g} is negative", f"request 0 or more, e.g. {name}: 1"))
+    gpu = res.get("GPU")
+    if sc.use_gpu is False and gpu is not None and gpu > 0:
+        issues.append(ConfigIssue(f"{key}.GPU", f"asks for {gpu:g} GPU per worker, but use_gpu: false trains on CPU (the GPU would sit idle)", f"set {path}.use_gpu: true (or auto), or remove GPU from {key}"))
+    if sc.use_gpu is True and gpu == 0:
+        issues.append(ConfigIssue(f"{key}.GPU", "GPU: 0 contradicts use_gpu: true (one GPU per worker; Ray Train would ignore the 0)", f"remove GPU from {key}, or set {path}.use_gpu: false"))
+    on_cpu = sc.use_gpu is False or (sc.use_gpu == "auto" and gpu == 0)
+    if on_cpu and res.get("CPU", 0) == 0:
+        issues.append(ConfigIssue(
+            f"{key}.CPU" if "CPU" in res else key,
+            "a CPU worker that holds no CPU: Ray would pack any number of them onto one node's cores",
+            f"request at least part of a core, e.g. {key}: {{CPU: 1}}",
+        ))
+    return issues

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.config.schema import STAGE_NAME_PATTERN, PipelineConfig
 from cascade_ray.config.yaml_io import apply_overrides, read_yaml
 from cascade_ray.errors import ConfigError, ConfigIssue
 
@@ -75,28 +75,34 @@ def validate_config(
     issues = list(issues or [])
     work = copy.deepcopy(raw)
     cfg: PipelineConfig | None = None
+    dropped_paths: set[str] = set()  # keys removed after a schema error; their consequences are not news
     for _ in range(_MAX_REPAIRS):
         try:
             cfg = PipelineConfig.model_validate(work)
             break
         except ValidationError as exc:
-            errors = exc.errors(include_url=False)
+            errors = _merge_union_errors(exc.errors(include_url=False))
+            # a required key dropped in an earlier pass comes back as "missing": already reported
+            errors = [e for e in errors if not (e["type"] == "missing" and format_path(e["loc"]) in dropped_paths)]
             issues += [_translate(err) for err in errors]
             dropped = [_drop(work, tuple(err["loc"])) for err in errors if err["type"] != "missing"]
-            if not all(dropped) or len(dropped) < len(errors):
+            dropped_paths |= {format_path(loc) for loc in dropped if loc}
+            if not errors or not all(dropped) or len(dropped) < len(errors):
                 break  # a missing key or an undroppable value: nothing more can be learned
     if cfg is not None:
         from cascade_ray.config.checks import semantic_issues
 
-        semantic = semantic_issues(cfg)
+        semantic = [i for i in semantic_issues(cfg) if i.path not in dropped_paths]
         issues += semantic
         if preflight:
             from cascade_ray.preflight import shape_issues
 
-            # a stage whose model spec is already reported cannot be built: don't report it twice
-            unbuildable = {issue.path.split(".")[0] for issue in semantic if ".model" in issue.path}
+            # A stage whose model is already reported cannot be built, and a stage whose model was
+            # dropped is skipped by the preflight, so every shape from there on is a consequence.
+            bad = [_stage_index(path, model_only=True) for path in {i.path for i in semantic} | dropped_paths]
+            first_bad = min((b for b in bad if b is not None), default=len(cfg.stages))
             reported = {issue.path for issue in semantic}
-            issues += [i for i in shape_issues(cfg) if i.path.split(".")[0] not in unbuildable and i.path not in reported]
+            issues += [i for i in shape_issues(cfg) if (_stage_index(i.path) or 0) < first_bad and i.path not in reported]
     if issues:
         raise ConfigError(sorted(_dedupe(issues), key=_path_key), source)
     assert cfg is not None  # a failed parse always records an issue
@@ -115,21 +121,79 @@ def _path_key(issue: ConfigIssue) -> list[tuple[int, int | str]]:
     return [(0, int(tok)) if tok.isdigit() else (1, tok) for tok in re.split(r"[.\[\]]+", issue.path) if tok]
 
 
-def _drop(raw: Any, loc: tuple[str | int, ...]) -> bool:
-    """Delete the deepest mapping key on `loc` so defaults replace a bad value."""
-    node, target = raw, None
-    for part in loc:
+_STAGE_PATH = re.compile(r"^stages\[(\d+)\](\.model\b)?")
+
+
+def _stage_index(path: str, *, model_only: bool = False) -> int | None:
+    """``stages[2].model.type`` -> 2; None for other paths (or, with `model_only`, non-model keys)."""
+    m = _STAGE_PATH.match(path)
+    return None if m is None or (model_only and m.group(2) is None) else int(m.group(1))
+
+
+def _drop(raw: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | None:
+    """Delete the deepest mapping key on `loc` so defaults replace a bad value; its location, or None."""
+    node, target, at = raw, None, 0
+    for i, part in enumerate(loc):
         if isinstance(node, dict) and isinstance(part, str) and part in node:
-            target = (node, part)
+            target, at = (node, part), i + 1
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node):
             node = node[part]
         else:
             break
     if target is None:
-        return False
+        return None
     del target[0][target[1]]
-    return True
+    return loc[:at]
+
+
+def _union_tag_at(loc: tuple[str | int, ...]) -> int | None:
+    """Index of the union-member tag pydantic appends to a location (``use_gpu.bool``), or None."""
+    for k in range(1, len(loc)):
+        annotation = _strip_optional(_walk(loc[:k])[1])
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            return k
+    return None
+
+
+def _merge_union_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``union_error`` per union-typed key instead of one error per member type (and tagged paths)."""
+    out: list[dict[str, Any]] = []
+    merged: set[tuple[str | int, ...]] = set()
+    for err in errors:
+        loc = tuple(err["loc"])
+        k = _union_tag_at(loc)
+        if k is None:
+            out.append(err)
+        elif loc[:k] not in merged:
+            merged.add(loc[:k])
+            out.append({"type": "union_error", "loc": loc[:k], "input": err.get("input"), "msg": err["msg"]})
+    return out
+
+
+def _describe(annotation: Any) -> list[str]:
+    """What a value of a union member type looks like in YAML."""
+    if typing.get_origin(annotation) is Literal:
+        return [repr(a) for a in typing.get_args(annotation)]
+    names = {bool: ["true", "false"], int: ["an integer"], float: ["a number"], str: ["a string"], type(None): ["null"]}
+    origin = typing.get_origin(annotation) or annotation
+    return names.get(origin) or (["a list"] if origin is list else ["a mapping"] if origin is dict else [getattr(origin, "__name__", str(origin))])
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr, cut at `limit` characters (a whole stages list is not worth repeating)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+# Fixes for schema errors whose message alone says what is wrong but not what to write instead.
+_TYPE_FIXES = {
+    "dict_type": "write a mapping of `key: value` pairs (one per line, or {key: value, ...})",
+    "model_type": "write a mapping of `key: value` pairs (one per line, or {key: value, ...})",
+    "list_type": "write a YAML list: [a, b], or one `- item` line per entry",
+    "string_type": "write a string; quote it if YAML would read it as a number or bool",
+    "bool_type": "write true or false, unquoted",
+}
 
 
 def _translate(err: dict[str, Any]) -> ConfigIssue:
@@ -146,12 +210,25 @@ def _translate(err: dict[str, Any]) -> ConfigIssue:
         hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
         return ConfigIssue(path, f"{value!r} is not allowed{hint} (valid: {', '.join(choices)})")
     if kind == "missing":
-        return ConfigIssue(path, "required key is missing")
-    got = f"got {type(value).__name__} {value!r}"
-    fix = ""
+        return ConfigIssue(path, "required key is missing", f"add {loc[-1]}: ..." if loc else "")
+    if kind == "union_error":
+        choices = [d for arg in typing.get_args(_strip_optional(_walk(loc)[1])) for d in _describe(arg)]
+        return ConfigIssue(path, f"{_short(value)} is not valid here", f"write {', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else "")
+    got = f"got {type(value).__name__} {_short(value)}"
+    fix = _TYPE_FIXES.get(kind, "")
     if isinstance(value, str) and kind in ("float_type", "int_type", "list_type", "tuple_type"):
         fix = "write the value unquoted as a YAML number or list, e.g. betas: [0.9, 0.999], lr: 3.0e-4"
-    return ConfigIssue(path, f"{err['msg'][0].lower()}{err['msg'][1:]}, {got}", fix)
+    elif kind == "int_type" and isinstance(value, bool):
+        fix = "write a whole number, not true/false"
+    elif kind == "int_type" and isinstance(value, float) and value.is_integer():
+        fix = f"write it without the decimal point: {int(value)}"
+    elif kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == STAGE_NAME_PATTERN:
+        fix = "start with a letter and use only letters, digits, '_' and '-' (at most 64 characters)"
+    elif kind == "too_short" and loc == ("stages",):
+        fix = "add at least one stage: - name: ..., model: {type: ...}"
+    # pydantic's model_type message names the internal class ("... or instance of StageConfig")
+    message = "input should be a mapping" if kind == "model_type" else f"{err['msg'][0].lower()}{err['msg'][1:]}"
+    return ConfigIssue(path, f"{message}, {got}", fix)
 
 
 def _strip_optional(annotation: Any) -> Any:

@@ -7,9 +7,9 @@ the key path and a did-you-mean. Cross-field rules live in :mod:`cascade_ray.con
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 STAGE_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 
@@ -114,16 +114,105 @@ class LossConfig(_Strict):
     )
 
 
-class SchedulerConfig(_Strict):
-    """Learning-rate schedule, stepped once per optimizer step (never per micro-batch)."""
+def _auto(value: Any) -> Any:
+    """``"auto"`` -> None, so a length field reads ``T_max: auto`` but stores null."""
+    return None if value == "auto" else value
 
-    type: Literal["constant", "cosine"] = Field(
-        "constant", description="`constant`, or `cosine` decay from lr to lr * min_lr_ratio over the stage."
+
+# A length in optimizer steps, or `auto` (stored as null): the stage's real step count.
+AutoSteps = Annotated[int | None, BeforeValidator(_auto)]
+
+
+class SchedulerConfig(_Strict):
+    """Learning-rate schedule, stepped once per optimizer step (never per micro-batch).
+
+    Every length is counted in optimizer steps after the warmup. A key the chosen `type`
+    does not use is an error (see :func:`cascade_ray.solver.schedule.scheduler_issues`).
+    """
+
+    type: Literal["constant", "StepLR", "MultiStepLR", "CosineAnnealingLR", "cosine", "OneCycleLR", "ReduceLROnPlateau"] = Field(
+        "constant",
+        description="`constant`; torch's `StepLR`, `MultiStepLR`, `CosineAnnealingLR` (`cosine` is short "
+        "for it), `OneCycleLR` (lr only; momentum is not cycled), or `ReduceLROnPlateau` (checked once "
+        "per epoch on `monitor`). Any of them may follow a linear warmup.",
     )
     warmup_steps: int = Field(
-        0, ge=0, description="Optimizer steps of linear warmup from ~0 to lr before the schedule."
+        0, ge=0, description="Optimizer steps of linear warmup from ~0 up to the schedule's first lr."
     )
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final lr of `cosine`, as a fraction of lr.")
+    T_max: AutoSteps = Field(
+        "auto", ge=1, validate_default=True,
+        description="CosineAnnealingLR: steps from lr down to lr * min_lr_ratio (then flat); `auto` = the "
+        "stage's optimizer steps after warmup.",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="CosineAnnealingLR: final lr; ReduceLROnPlateau: lowest lr; as a fraction of lr.",
+    )
+    step_size: int | None = Field(None, ge=1, description="StepLR (required): multiply lr by gamma every this many steps.")
+    milestones: list[int] | None = Field(
+        None, min_length=1, description="MultiStepLR (required): increasing steps at which lr is multiplied by gamma."
+    )
+    gamma: float = Field(0.1, gt=0.0, le=1.0, description="StepLR, MultiStepLR: lr multiplier at each decay.")
+    total_steps: AutoSteps = Field(
+        "auto", ge=2, validate_default=True,
+        description="OneCycleLR: length of the cycle; `auto` = the stage's optimizer steps after warmup.",
+    )
+    pct_start: float = Field(0.3, gt=0.0, lt=1.0, description="OneCycleLR: fraction of the cycle spent rising to lr.")
+    div_factor: float = Field(25.0, ge=1.0, description="OneCycleLR: the cycle starts at lr / div_factor.")
+    final_div_factor: float = Field(
+        1e4, ge=1.0, description="OneCycleLR: the cycle ends at lr / (div_factor * final_div_factor)."
+    )
+    factor: float = Field(0.1, gt=0.0, lt=1.0, description="ReduceLROnPlateau: lr multiplier on a plateau.")
+    patience: int = Field(
+        2, ge=0, description="ReduceLROnPlateau: epochs without improvement of `monitor` before lr drops."
+    )
+    threshold: float = Field(
+        1e-4, ge=0.0, description="ReduceLROnPlateau: relative change of `monitor` that counts as improvement."
+    )
+    monitor: Literal["val_loss", "val_accuracy", "train_loss"] = Field(
+        "val_loss", description="ReduceLROnPlateau: the epoch metric watched (accuracy up, losses down)."
+    )
+
+
+class ParamGroupConfig(_Strict):
+    """Optimizer settings for the trainable parameters whose names match a regex."""
+
+    match: str = Field(
+        description="Regex searched in parameter names such as `blocks.features.stem.0.weight` or "
+        "`heads.features.fc.bias`; the first group that matches a parameter takes it."
+    )
+    lr: float | None = Field(None, gt=0.0, description="This group's lr; null uses the solver's lr.")
+    weight_decay: float | None = Field(
+        None, ge=0.0, description="This group's weight decay; null uses the solver's."
+    )
+    betas: list[float] | None = Field(
+        None, min_length=2, max_length=2, description="This group's betas; null uses the solver's."
+    )
+    momentum: float | None = Field(None, ge=0.0, lt=1.0, description="This group's momentum; null uses the solver's.")
+
+
+class GradClipConfig(_Strict):
+    """Gradient clipping, applied once per optimizer step (after unscaling under fp16)."""
+
+    enabled: bool = Field(False, description="Clip gradients before every optimizer step.")
+    mode: Literal["norm", "value"] = Field(
+        "norm",
+        description="`norm`: rescale all gradients together when their global norm (over every "
+        "trainable parameter at once, not per parameter) exceeds max_norm; `value`: clamp each "
+        "gradient element to [-clip_value, clip_value].",
+    )
+    max_norm: float = Field(1.0, gt=0.0, description="mode norm: the largest allowed global gradient norm.")
+    norm_type: float = Field(2.0, gt=0.0, description="mode norm: the p of the p-norm (`.inf` for max-abs).")
+    clip_value: float | None = Field(None, gt=0.0, description="mode value (required): the clamp bound.")
+
+
+class ScalerConfig(_Strict):
+    """fp16 loss scaling (torch.amp.GradScaler)."""
+
+    init_scale: float = Field(65536.0, gt=0.0, description="Initial loss scale.")
+    growth_interval: int = Field(
+        2000, ge=1, description="Optimizer steps without overflow before the scale doubles."
+    )
 
 
 class SolverConfig(_Strict):
@@ -134,7 +223,11 @@ class SolverConfig(_Strict):
         description="A torch.optim optimizer by its exact class name (SGD, Adam, AdamW, RAdam, ...).",
     )
     lr: float = Field(1e-3, gt=0.0, description="Learning rate.")
-    weight_decay: float = Field(0.0, ge=0.0, description="Weight decay (decoupled for AdamW).")
+    weight_decay: float = Field(
+        0.0, ge=0.0,
+        description="Weight decay (decoupled for AdamW), applied to parameters with 2+ dimensions; biases and "
+        "normalization weights get none unless decay_bias_and_norm is true.",
+    )
     betas: list[float] | None = Field(
         None,
         min_length=2,
@@ -144,10 +237,31 @@ class SolverConfig(_Strict):
     momentum: float | None = Field(
         None, ge=0.0, lt=1.0, description="Momentum for SGD/RMSprop; null uses torch's default."
     )
+    decay_bias_and_norm: bool = Field(
+        False, description="Also apply weight decay to 1-D parameters (biases, normalization weights)."
+    )
+    param_groups: list[ParamGroupConfig] = Field(
+        default_factory=list,
+        description="Ordered per-parameter overrides; first match wins, unmatched parameters get the "
+        "settings above. A pattern that matches no trainable parameter is an error.",
+    )
     lr_scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig,
-        description="The lr schedule; its length is the stage's total optimizer steps.",
+        description="The lr schedule, counted in optimizer steps.",
     )
+    accumulation_steps: int = Field(
+        1, ge=1,
+        description="Micro-batches per optimizer step: the loss is divided by the window size, the "
+        "optimizer and scheduler step once per window (the last window of an epoch may be shorter), "
+        "and DDP syncs gradients only on a window's last micro-batch.",
+    )
+    grad_clip: GradClipConfig = Field(default_factory=GradClipConfig, description="Gradient clipping.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Autocast precision of forward and loss: `bf16` (CPU and Ampere+ GPUs, no scaler) or "
+        "`fp16` (CUDA only, with a GradScaler; a skipped step does not advance the scheduler).",
+    )
+    scaler: ScalerConfig | None = Field(None, description="precision fp16 only: loss-scaler settings; null uses the defaults.")
 
 
 class AugmentConfig(_Strict):
@@ -164,6 +278,17 @@ class AugmentConfig(_Strict):
         return self.hflip or self.crop_padding > 0
 
 
+class EarlyStoppingConfig(_Strict):
+    """Stop a stage when an epoch metric has not improved for a while."""
+
+    metric: Literal["val_loss", "val_accuracy", "train_loss"] = Field("val_loss", description="Epoch metric watched.")
+    mode: Literal["min", "max"] | None = Field(
+        None, description="Direction of improvement; null infers it (accuracy: max, losses: min)."
+    )
+    patience: int = Field(3, ge=1, description="Epochs without improvement before the stage stops.")
+    min_delta: float = Field(0.0, ge=0.0, description="Smallest change that counts as an improvement.")
+
+
 class TrainConfig(_Strict):
     """How long and how the stage trains."""
 
@@ -171,7 +296,11 @@ class TrainConfig(_Strict):
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many optimizer steps even if epochs remain."
     )
-    batch_size: int = Field(128, ge=1, description="Samples per optimizer step per worker.")
+    batch_size: int = Field(
+        128, ge=1,
+        description="Samples per micro-batch (one forward/backward) per worker; an optimizer step sees "
+        "batch_size x solver.accumulation_steps x workers samples.",
+    )
     eval_batch_size: int = Field(512, ge=1, description="Samples per validation batch per worker.")
     log_interval: int = Field(
         50, ge=1, description="Print a progress line every this many optimizer steps (rank 0)."
@@ -182,17 +311,105 @@ class TrainConfig(_Strict):
     metric: Literal["val_accuracy", "val_loss"] = Field(
         "val_accuracy", description="Metric that selects the best checkpoint."
     )
+    early_stopping: EarlyStoppingConfig | None = Field(None, description="Stop early on a plateau; null trains every epoch.")
+    sanity_val_steps: int = Field(
+        2, ge=0,
+        description="Validation batches run before training, so a broken evaluation fails in seconds "
+        "rather than after the first epoch; 0 skips it.",
+    )
+
+
+def _off(value: Any) -> Any:
+    """YAML 1.1 (PyYAML) reads a bare ``off`` as false: take it as the policy ``off``."""
+    return "off" if value is False else value
+
+
+Policy = Annotated[Literal["error", "warn", "off"], BeforeValidator(_off)]
+_POLICY = "`error` raises HealthError, `warn` prints (rank 0) and counts, `off` (or false) skips the rule."
+
+
+class HealthRule(_Strict):
+    """A runtime health rule without thresholds."""
+
+    policy: Policy = Field("error", description=_POLICY)
+
+
+class StallRule(_Strict):
+    """Relative update ||dtheta|| / ||theta|| of all trainable parameters too small for too long."""
+
+    policy: Policy = Field("error", description=_POLICY)
+    min_update_ratio: float = Field(1e-8, gt=0.0, description="Updates below this relative size count as stalled.")
+    patience_steps: int = Field(50, ge=1, description="Optimizer steps of consecutive stalled measurements that fire the rule.")
+    tail_fraction: float = Field(
+        0.05, ge=0.0, lt=1.0,
+        description="The last fraction of the stage's optimizer steps is exempt (a schedule annealing to ~0 stalls there on purpose).",
+    )
+
+
+class ClipSaturationRule(_Strict):
+    """Pre-clip gradient norm far above grad_clip.max_norm for too long: clipping throttles every step."""
+
+    policy: Policy = Field("error", description=_POLICY)
+    max_ratio: float = Field(100.0, gt=1.0, description="Pre-clip norm / max_norm above this counts as saturated.")
+    patience_steps: int = Field(50, ge=1, description="Optimizer steps of consecutive saturated measurements that fire the rule.")
+
+
+class ScaleCollapseRule(_Strict):
+    """fp16 only: the GradScaler's scale collapsed or it keeps skipping steps."""
+
+    policy: Policy = Field("error", description=_POLICY)
+    min_scale: float = Field(1.0, gt=0.0, description="A loss scale below this is a collapse (fp16 overflows even unscaled).")
+    max_skipped_steps: int = Field(12, ge=1, description="This many consecutive skipped (overflowed) optimizer steps fire the rule.")
+
+
+class HealthConfig(_Strict):
+    """Runtime health rules of a stage; each fires with its policy and names the config key to fix."""
+
+    interval: int = Field(
+        10, ge=1,
+        description="Measure the gradient norm and relative update (and sync the non-finite checks) every "
+        "this many optimizer steps; the cheaper, the larger.",
+    )
+    nonfinite: HealthRule = Field(default_factory=HealthRule, description="A NaN/inf loss or gradient norm.")
+    grad_flow: HealthRule = Field(
+        default_factory=HealthRule,
+        description="A trainable parameter whose gradient is None or all zero after the first backward "
+        "(confirmed at the first measurement).",
+    )
+    stall: StallRule = Field(default_factory=StallRule, description="Training that stopped moving.")
+    clip_saturation: ClipSaturationRule = Field(default_factory=ClipSaturationRule, description="Clipping that throttles every step.")
+    scale_collapse: ScaleCollapseRule = Field(default_factory=ScaleCollapseRule, description="fp16 loss-scale collapse.")
+    lr_drift: HealthRule = Field(
+        default_factory=HealthRule,
+        description="The lr applied differs from the schedule's plan for that optimizer step (e.g. a "
+        "scheduler stepped per micro-batch).",
+    )
+    frozen_drift: HealthRule = Field(
+        default_factory=HealthRule,
+        description="A frozen module in train mode at an epoch start, or a frozen parameter/buffer changed "
+        "during an epoch.",
+    )
 
 
 class ScalingConfig(_Strict):
     """Ray Train scaling for this stage's TorchTrainer."""
 
     num_workers: int = Field(1, ge=1, description="Training worker processes (DDP ranks).")
-    use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend (gloo on CPU).")
+    use_gpu: bool | Literal["auto"] = Field(
+        "auto",
+        description="`true`: one GPU per worker (NCCL backend); `false`: CPU workers (gloo); `auto`: GPUs "
+        "when the cluster can give every worker of the stage one (checked after connecting, logged), "
+        "else CPU.",
+    )
     resources_per_worker: dict[str, float] | None = Field(
         None,
         description='Ray resources per worker, e.g. {"CPU": 2}; null lets Ray default to 1 CPU. '
         "Torch threads per worker follow the CPU count.",
+    )
+    sync_batchnorm: bool = Field(
+        False,
+        description="Convert the stage's trainable BatchNorm layers to SyncBatchNorm, so batch statistics "
+        "are computed over all workers' batches (GPU stages with more than one worker; an error on CPU).",
     )
 
 
@@ -228,17 +445,22 @@ class StageConfig(_Strict):
     scaling: ScalingConfig = Field(
         default_factory=ScalingConfig, description="The stage's Ray Train scaling."
     )
+    health: HealthConfig = Field(default_factory=HealthConfig, description="The stage's runtime health rules.")
 
 
 class PipelineConfig(_Strict):
     """A whole cascade: data, and the stages in the order they train."""
 
     name: str = Field(pattern=STAGE_NAME_PATTERN, description="Run name; artifacts go to storage_path/name.")
-    seed: int = Field(0, description="Seed for data splits, initialization and shuffling.")
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Seed for data splits, initialization and shuffling (scikit-learn's range: 0 to 2**32 - 1)."
+    )
     storage_path: str = Field(
         "~/cascade-ray-runs",
-        description="Where artifacts, Ray Train runs and summary.json go. Use an absolute path: Ray "
-        "workers and jobs run in other working directories.",
+        description="Where artifacts, Ray Train runs and summary.json go: a local path (made absolute when "
+        "the driver starts; refused if relative inside a Ray job) or a pyarrow.fs URI (s3://bucket/prefix, "
+        "gs://bucket/prefix, file:///abs/path). On a multi-machine cluster it must be storage every node "
+        "reaches (a URI or a shared mount); a node-local path is an error there.",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="The data section.")
     stages: list[StageConfig] = Field(min_length=1, description="Stages, in training order.")

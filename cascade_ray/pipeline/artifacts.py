@@ -4,6 +4,11 @@ An artifact holds the composed state of every stage up to and including its own
 (upstream weights are copied bit-for-bit, so any artifact alone rebuilds the model it
 was evaluated as). The manifest records the file's sha256 and per-tensor digests, and
 loading verifies both.
+
+The folder is local (a :class:`~pathlib.Path`, written to a temp folder and renamed into
+place) or on a ``pyarrow.fs`` filesystem (a :class:`~cascade_ray.storage.UriPath`: object
+stores have no atomic rename, so the old manifest goes first and the new one is written
+last; a reader sees no artifact or a complete one, and the sha256 check catches the rest).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ import numpy as np
 
 from cascade_ray import __version__
 from cascade_ray.errors import ArtifactError
+from cascade_ray.storage import StorageDir, UriPath, local_copy, parse_uri
 from cascade_ray.stage.weights import NumpyState, load_safetensors, save_safetensors, state_digests
 
 WEIGHTS = "weights.safetensors"
@@ -30,15 +37,22 @@ MANIFEST = "manifest.json"
 class Artifact:
     """A stage artifact on disk."""
 
-    path: Path
+    path: StorageDir
     manifest: dict[str, Any]
 
     @property
-    def weights_path(self) -> Path:
+    def weights_path(self) -> StorageDir:
         return self.path / WEIGHTS
 
 
-def file_sha256(path: Path) -> str:
+def as_storage_dir(directory: str | StorageDir) -> StorageDir:
+    """A local path or URI string as a :class:`Path` or :class:`UriPath`."""
+    if isinstance(directory, (Path, UriPath)):
+        return directory
+    return parse_uri(str(directory)) or Path(directory)
+
+
+def file_sha256(path: StorageDir) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -46,20 +60,21 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_artifact(directory: str | Path, state: NumpyState, manifest: dict[str, Any]) -> Artifact:
-    """Write weights and manifest to a temp folder, then rename it into place."""
-    final = Path(directory)
+def _complete(manifest: dict[str, Any], weights: Path, state: NumpyState) -> dict[str, Any]:
+    return {**manifest, "cascade_ray_version": __version__, "weights_sha256": file_sha256(weights), "tensor_digests": state_digests(state)}
+
+
+def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: dict[str, Any]) -> Artifact:
+    """Write weights and manifest to a temp folder, then rename it into place (locally)."""
+    final = as_storage_dir(directory)
+    if isinstance(final, UriPath):
+        return _write_uri(final, state, manifest)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_safetensors(state, tmp / WEIGHTS)
-    full = {
-        **manifest,
-        "cascade_ray_version": __version__,
-        "weights_sha256": file_sha256(tmp / WEIGHTS),
-        "tensor_digests": state_digests(state),
-    }
+    full = _complete(manifest, tmp / WEIGHTS, state)
     (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True))
     if final.exists():
         # keep the previous artifact until the new one is complete, then swap
@@ -72,18 +87,34 @@ def write_artifact(directory: str | Path, state: NumpyState, manifest: dict[str,
     return Artifact(final, full)
 
 
-def read_artifact(directory: str | Path) -> tuple[Artifact, NumpyState]:
+def _write_uri(final: UriPath, state: NumpyState, manifest: dict[str, Any]) -> Artifact:
+    """Manifest last: without a rename, a missing manifest is what marks an incomplete artifact."""
+    with tempfile.TemporaryDirectory(prefix="cascade-ray-artifact-") as tmp:
+        weights = Path(tmp) / WEIGHTS
+        save_safetensors(state, weights)
+        full = _complete(manifest, weights, state)
+        (final / MANIFEST).unlink(missing_ok=True)
+        with weights.open("rb") as src, (final / WEIGHTS).open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    (final / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True))
+    return Artifact(final, full)
+
+
+def read_artifact(directory: str | StorageDir) -> tuple[Artifact, NumpyState]:
     """Load and verify an artifact (file hash and every tensor digest)."""
-    path = Path(directory)
+    path = as_storage_dir(directory)
     retrain = "delete the folder and rerun the pipeline to retrain this stage"
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"artifact {path}: unreadable {MANIFEST} ({exc}); {retrain}") from None
     weights = path / WEIGHTS
-    if not weights.is_file() or file_sha256(weights) != manifest.get("weights_sha256"):
-        raise ArtifactError(f"artifact {path}: {WEIGHTS} is missing or does not match its sha256 in {MANIFEST}; {retrain}")
-    state = load_safetensors(weights)
+    if not weights.is_file():
+        raise ArtifactError(f"artifact {path}: {WEIGHTS} is missing; {retrain}")
+    with local_copy(weights) as local:  # one download from remote storage, hashed and loaded
+        if file_sha256(local) != manifest.get("weights_sha256"):
+            raise ArtifactError(f"artifact {path}: {WEIGHTS} does not match its sha256 in {MANIFEST}; {retrain}")
+        state = load_safetensors(local)
     if state_digests(state) != manifest.get("tensor_digests"):
         raise ArtifactError(f"artifact {path}: tensor digests differ from {MANIFEST}; {retrain}")
     return Artifact(path, manifest), state

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,18 +20,22 @@ import torch
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import DataSplits
+from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.data.source import load_data
 from cascade_ray.models.cascade import build_cascade
-from cascade_ray.pipeline.fit import check_resources
+from cascade_ray.pipeline.fit import check_resources, cluster_view
 from cascade_ray.pipeline.stages import Handoff, StageSession
 from cascade_ray.preflight import require_plans
+from cascade_ray.report.outputs import write_run_outputs
 from cascade_ray.stage.batches import ArraySource, eval_batches
 from cascade_ray.stage.weights import NumpyState, load_numpy_state
+from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
 
 
-def run_dir(cfg: PipelineConfig) -> Path:
-    """``{storage_path}/{name}``, absolute (Ray workers run in other directories)."""
-    return (Path(cfg.storage_path).expanduser() / cfg.name).resolve()
+def run_dir(cfg: PipelineConfig) -> StorageDir:
+    """``{storage_path}/{name}``: an absolute local path (Ray workers run in other
+    directories) or a :class:`~cascade_ray.storage.UriPath` on a pyarrow filesystem."""
+    return storage_root(cfg.storage_path) / cfg.name
 
 
 def run_pipeline(
@@ -68,7 +71,10 @@ def run_pipeline(
     log(f"data: {data.source}: train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}, {data.num_classes} classes")
     started_ray = _init_ray(address)
     try:
-        check_resources(cfg)
+        cluster = cluster_view()
+        for line in check_resources(cfg, cluster):
+            log(line)
+        check_shared_storage(out, hosts=cluster.hosts, may_add_nodes=cluster.may_add_nodes, log=log)
         session = StageSession(cfg, out, ray.put(data.to_arrays()), data.fingerprint(), data.image_shape, data.num_classes, log)
         upstream: Handoff | None = None
         records = []
@@ -91,6 +97,8 @@ def run_pipeline(
     summary = {"name": cfg.name, "test_accuracy": test["accuracy"], "test_loss": test["loss"], "stages": records, "storage": str(out)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    with staged_dir(out) as local:  # the report writers use local paths; staged to s3:// / gs:// here
+        write_run_outputs(local, final_cfg, records, np.asarray(data.y_test), test["predictions"])
     log(format_table(summary))
     return summary
 
@@ -106,34 +114,55 @@ def _sweep(session: StageSession, index: int, upstream: Handoff | None, space: A
 
 
 def _init_ray(address: str | None) -> bool:
-    """Connect to `address`/``RAY_ADDRESS`` or start an embedded Ray; True if we started it."""
+    """Connect to `address`/``RAY_ADDRESS`` or start an embedded Ray; True if we started it.
+
+    The env knobs reach the cluster's Train controller and workers through this driver's
+    runtime_env; inside a Ray job, keys the job's own runtime_env sets are left to it
+    (Ray refuses a driver runtime_env that repeats a job env var).
+    """
     env = apply_ray_env_defaults()
     if ray.is_initialized():
         return False
     target = address or os.environ.get("RAY_ADDRESS")
+    if target and target.startswith(("http://", "https://")) and not in_ray_job():
+        raise ConfigError([ConfigIssue(
+            "--address / RAY_ADDRESS", f"{target!r} is a dashboard / job-submission address; a driver cannot connect to it",
+            "submit the pipeline as a job (`cascade-ray submit ...` or `ray job submit --working-dir . -- python "
+            "pipelines/three_stage.py ...`), or give the GCS address (host:port, e.g. 127.0.0.1:6379)",
+        )])
     if target:
-        ray.init(address=target, log_to_driver=True)
+        ray.init(address=target, log_to_driver=True, runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}})
     else:
         ray.init(runtime_env={"env_vars": env})
     return True
 
 
+def _job_env_vars() -> set[str]:
+    """Env var names the enclosing Ray job's runtime_env sets (empty outside a job)."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return set()
+    return set(((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}))
+
+
 @torch.no_grad()
-def evaluate_composed(cfg: PipelineConfig, data: DataSplits, state: NumpyState) -> dict[str, float]:
-    """Accuracy and loss of the composed model (last module stage's head) on the test split."""
+def evaluate_composed(cfg: PipelineConfig, data: DataSplits, state: NumpyState) -> dict[str, Any]:
+    """Accuracy, loss and per-sample predictions of the composed model (last head) on the test split."""
     plans = require_plans(cfg, data.image_shape, data.num_classes)
     model = build_cascade(cfg, plans, data.num_classes, upto=len(cfg.stages) - 1)
     load_numpy_state(model, state)
     model.eval()
     source = ArraySource(data.x_test, data.y_test, data.mean, data.std, torch.device("cpu"))
     head = model.order[-1]
-    loss, correct = 0.0, 0
+    loss, predictions = 0.0, []
     for batch in eval_batches(len(source), 1000, rank=0, world=1):
         x, y = source.batch(batch)
         logits = model(x, heads=[head])[head]
         loss += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(1) == y).sum())
-    return {"accuracy": correct / len(source), "loss": loss / len(source)}
+        predictions.append(logits.argmax(1))
+    predicted = torch.cat(predictions).numpy()
+    labels = np.asarray(data.y_test)
+    return {"accuracy": float((predicted == labels).mean()), "loss": loss / len(source), "predictions": predicted}
 
 
 def _fmt_metrics(metrics: dict[str, Any]) -> str:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -13,9 +16,10 @@ from ray.train.torch import TorchTrainer
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.errors import CascadeError, ResourceError
 from cascade_ray.stage.worker import train_loop_per_worker
+from cascade_ray.storage import StorageDir
 
 
-def unique_run_name(ray_dir: Path, stage: StageConfig, index: int, fingerprint: str) -> str:
+def unique_run_name(ray_dir: StorageDir, stage: StageConfig, index: int, fingerprint: str) -> str:
     """A deterministic Ray Train run name that no earlier run in `ray_dir` has used.
 
     Ray 2.60 silently resumes a run whose ``(storage_path, name)`` already exists, so
@@ -26,38 +30,156 @@ def unique_run_name(ray_dir: Path, stage: StageConfig, index: int, fingerprint: 
     return f"{prefix}-a{max(taken, default=0) + 1}"
 
 
-def worker_resources(stage: StageConfig) -> dict[str, float]:
-    """Resources one worker of `stage` asks Ray for."""
+@dataclass(frozen=True)
+class Cluster:
+    """What the cluster has (alive nodes) and may get (the autoscaler's node groups).
+
+    Attributes:
+        nodes: resources of each alive node.
+        hosts: distinct machines among them.
+        groups: ``(resources per node, max nodes)`` per autoscaler node group (-1: no
+            limit), from Ray's cluster config when the autoscaler publishes one.
+        autoscaling: an autoscaler runs (launcher / KubeRay), limits known or not.
+    """
+
+    nodes: tuple[Mapping[str, float], ...]
+    hosts: int = 1
+    groups: tuple[tuple[Mapping[str, float], int], ...] = ()
+    autoscaling: bool = False
+
+    @property
+    def may_add_nodes(self) -> bool:
+        return self.autoscaling or any(count < 0 for _, count in self.groups) or sum(count for _, count in self.groups) > len(self.nodes)
+
+    def placeable(self, per_worker: Mapping[str, float]) -> float:
+        """Workers asking `per_worker` each that fit at once: on the alive nodes, or on the
+        largest cluster the autoscaler may build (Ray Train's own check uses the latter)."""
+        return max(_placeable(per_worker, [(n, 1) for n in self.nodes]), _placeable(per_worker, self.groups))
+
+    def describe(self) -> str:
+        total: dict[str, float] = {}
+        for res in self.nodes:
+            for key, value in res.items():
+                total[key] = total.get(key, 0.0) + value
+        shown = ", ".join(f"{total.get(k, 0.0):g} {k}" for k in ("CPU", "GPU"))
+        text = f"{len(self.nodes)} alive node(s) with {shown} in total"
+        if self.groups:
+            text += "; autoscaler groups: " + ", ".join(f"{'unbounded' if c < 0 else c} x {_fmt(r)}" for r, c in self.groups)
+        return text
+
+
+def _placeable(per_worker: Mapping[str, float], nodes: Any) -> float:
+    wanted = {k: v for k, v in per_worker.items() if v > 0}
+    count = 0.0
+    for res, copies in nodes:
+        fit = min((math.floor(res.get(k, 0.0) / v + 1e-9) for k, v in wanted.items()), default=math.inf)
+        count += fit * (math.inf if copies < 0 else copies) if fit else 0
+    return count
+
+
+def _fmt(res: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(res.items()) if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))) + "}"
+
+
+def cluster_view() -> Cluster:
+    """The connected cluster (after ``ray.init``)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    groups = _autoscaler_groups()
+    return Cluster(tuple(n["Resources"] for n in alive), len({n.get("NodeManagerAddress") for n in alive}), groups, bool(groups) or _autoscaler_running())
+
+
+def _autoscaler_running() -> bool:
+    try:  # private API, like _autoscaler_groups; unknown means "no autoscaler" (strict checks)
+        from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        return autoscaler_in_status(_internal_kv_get(DEBUG_AUTOSCALING_STATUS))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def autoscaler_in_status(raw: bytes | str | None) -> bool:
+    """True when Ray's monitor status shows an autoscaler with configured node types (cluster
+    launcher, KubeRay). A head started without an autoscaling config (local_head.sh, an embedded
+    Ray) gets Ray's read-only stand-in, whose node types are ``node_<node id>``."""
+    report = json.loads(raw).get("autoscaler_report") if raw else None
+    if not report:
+        return False
+    types = {*(report.get("active_nodes") or {}), *(report.get("idle_nodes") or {}), *(report.get("pending_launches") or {})}
+    return any(not re.fullmatch(r"node_[0-9a-f]+", t) for t in types)
+
+
+def _autoscaler_groups() -> tuple[tuple[dict[str, float], int], ...]:
+    try:  # private API (what Ray Train's worker-group check reads); absent -> alive nodes only
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # noqa: BLE001
+        return ()
+    if config is None:
+        return ()
+    return tuple((dict(g.resources), int(g.max_count)) for g in config.node_group_configs)
+
+
+def resolve_use_gpu(stage: StageConfig, cluster: Cluster) -> bool:
+    """``scaling.use_gpu`` as a bool: ``auto`` is GPU when the cluster can place every
+    worker of the stage with a GPU (or resources_per_worker names one), else CPU."""
+    setting = stage.scaling.use_gpu
+    if setting != "auto":
+        return bool(setting)
+    asked = (stage.scaling.resources_per_worker or {}).get("GPU")
+    if asked is not None:
+        return asked > 0
+    return cluster.placeable(_resources(stage, True)) >= stage.scaling.num_workers
+
+
+def _resources(stage: StageConfig, use_gpu: bool) -> dict[str, float]:
     res = dict(stage.scaling.resources_per_worker or {"CPU": 1.0})
-    if stage.scaling.use_gpu:
+    if use_gpu:
         res.setdefault("GPU", 1.0)
     return res
 
 
-def check_resources(cfg: PipelineConfig) -> None:
-    """Fail fast when a stage asks for more than the cluster has in total or on any node.
+def worker_resources(stage: StageConfig, use_gpu: bool | None = None) -> dict[str, float]:
+    """Resources one worker of `stage` asks Ray for (``use_gpu`` None: resolve ``auto`` on the live cluster)."""
+    if use_gpu is None:
+        use_gpu = stage.scaling.use_gpu if stage.scaling.use_gpu != "auto" else resolve_use_gpu(stage, cluster_view())
+    return _resources(stage, bool(use_gpu))
+
+
+def check_resources(cfg: PipelineConfig, cluster: Cluster | None = None) -> list[str]:
+    """Fail fast when a stage asks for more than the cluster can ever place, or for a GPU-only
+    feature on CPU. Returns one line per ``use_gpu: auto`` decision.
 
     Without this, Ray Train retries starting the worker group forever.
     """
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    total: dict[str, float] = {}
-    for res in nodes:
-        for key, value in res.items():
-            total[key] = total.get(key, 0.0) + value
+    cluster = cluster or cluster_view()
+    decisions = []
     for i, stage in enumerate(cfg.stages):
-        per_worker = worker_resources(stage)
-        n = stage.scaling.num_workers
-        for key, amount in per_worker.items():
-            if amount * n > total.get(key, 0.0) or not any(res.get(key, 0.0) >= amount for res in nodes):
-                raise ResourceError(
-                    f"stages[{i}].scaling: stage {stage.name!r} needs {n} worker(s) x {amount:g} {key} "
-                    f"(at least {amount:g} on one node), but the cluster has {total.get(key, 0.0):g} {key} "
-                    f"in total. Lower stages[{i}].scaling.num_workers or resources_per_worker, or add nodes."
-                )
+        sc, key = stage.scaling, f"stages[{i}].scaling"
+        use_gpu = resolve_use_gpu(stage, cluster)
+        per_worker = _resources(stage, use_gpu)
+        fits = cluster.placeable(per_worker)
+        if fits < sc.num_workers:
+            need = (
+                f"{key}: stage {stage.name!r} needs {sc.num_workers} worker(s) x {_fmt(per_worker)} (each worker's "
+                f"resources on one node), but the cluster can place at most {fits:g} at once ({cluster.describe()})."
+            )
+            if not (cluster.autoscaling and not cluster.groups):
+                raise ResourceError(f"{need} Lower {key}.num_workers or resources_per_worker{', or set use_gpu: auto' if sc.use_gpu is True else ''}, or add nodes.")
+            # an autoscaler with unpublished limits may still add nodes that fit
+            decisions.append(f"WARNING: {need} An autoscaler runs, so Ray waits for it to add nodes; if none of its node groups fits, the stage waits forever.")
+        if not use_gpu and sc.num_workers > 1 and sc.sync_batchnorm:
+            raise ResourceError(f"{key}.sync_batchnorm: stage {stage.name!r} runs on CPU ({sc.num_workers} workers), and torch's SyncBatchNorm needs GPUs. Set {key}.sync_batchnorm: false, or run the stage on GPUs.")
+        if not use_gpu and stage.solver.precision == "fp16":
+            raise ResourceError(f"stages[{i}].solver.precision: stage {stage.name!r} runs on CPU (use_gpu {sc.use_gpu}), and fp16 needs a CUDA GPU. Set precision: bf16, or give the cluster GPUs.")
+        if sc.use_gpu == "auto":
+            decisions.append(f"stage {stage.name!r}: use_gpu auto -> {'GPU (NCCL)' if use_gpu else 'CPU (gloo)'} x {sc.num_workers} worker(s)")
+    return decisions
 
 
 def fit_stage(
-    cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: Path, run_name: str, callbacks: list[Any] | None = None
+    cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: StorageDir, run_name: str, callbacks: list[Any] | None = None
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job and return its Result.
 
@@ -67,18 +189,22 @@ def fit_stage(
         CascadeError: a worker raised one (re-raised as is, with its message).
     """
     stage = cfg.stages[index]
+    use_gpu = resolve_use_gpu(stage, cluster_view())
+    pipeline = cfg.model_dump(mode="json")
+    pipeline["stages"][index]["scaling"]["use_gpu"] = use_gpu  # workers see the decision, not `auto`
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "pipeline": cfg.model_dump(mode="json"),
+            "pipeline": pipeline,
             "stage_index": index,
             # refs inside lists: the worker ray.get()s them itself
             "data_ref": [data_ref],
             "upstream_ref": [upstream_ref] if upstream_ref is not None else [],
         },
+        # backend: Ray Train picks NCCL when workers have GPUs, gloo otherwise (TorchConfig(backend=None))
         scaling_config=ray.train.ScalingConfig(
             num_workers=stage.scaling.num_workers,
-            use_gpu=stage.scaling.use_gpu,
+            use_gpu=use_gpu,
             resources_per_worker=stage.scaling.resources_per_worker,
         ),
         run_config=ray.train.RunConfig(

@@ -8,13 +8,16 @@ small images on CPU.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
 from cascade_ray.config.schema import AugmentConfig
+
+T = TypeVar("T")
 
 
 def train_batches(n: int, batch_size: int, *, rank: int, world: int, seed: int, epoch: int) -> Iterator[torch.Tensor]:
@@ -37,6 +40,24 @@ def num_train_batches(n: int, batch_size: int, world: int) -> int:
     """Batches per epoch per rank, matching :func:`train_batches`."""
     per_rank = -(-n // world)
     return -(-per_rank // batch_size)
+
+
+def num_optimizer_steps(n: int, batch_size: int, world: int, accumulation_steps: int) -> int:
+    """Optimizer steps per epoch: micro-batches per rank / accumulation_steps, rounded up."""
+    return -(-num_train_batches(n, batch_size, world) // accumulation_steps)
+
+
+def accumulation_windows(batches: Sequence[T], steps: int) -> Iterator[tuple[T, int, bool]]:
+    """Yield ``(micro_batch, window_size, is_last_in_window)`` over one epoch's micro-batches.
+
+    Windows hold `steps` micro-batches; the epoch's last window holds what is left, so
+    its loss is divided by its own size and no micro-batch is dropped or carried over.
+    """
+    n = len(batches)
+    for i, batch in enumerate(batches):
+        start = i - i % steps
+        size = min(steps, n - start)
+        yield batch, size, i - start == size - 1
 
 
 def augment(x: torch.Tensor, cfg: AugmentConfig, generator: torch.Generator | None = None) -> torch.Tensor:

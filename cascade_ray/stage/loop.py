@@ -7,9 +7,11 @@ checkpoints out and does cross-rank sums, so the same loop runs under Ray Train
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,15 +19,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data import DataSplits
+from cascade_ray.errors import ConfigError
+from cascade_ray.health import HealthMonitor, LoopHooks, LoopState
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
 from cascade_ray.preflight import require_plans
-from cascade_ray.solver import build_optimizer
-from cascade_ray.solver.schedule import build_scheduler, total_optimizer_steps
-from cascade_ray.stage.batches import ArraySource, augment, eval_batches, train_batches
-from cascade_ray.stage.freeze import TrainablePlan, apply_freeze, check_frozen, frozen_digest, plan_trainable
+from cascade_ray.solver import EarlyStopping, build_optimizer, build_param_groups, build_precision, build_scheduler, clip_gradients, stage_step_issues, total_optimizer_steps
+from cascade_ray.stage.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
+from cascade_ray.stage.freeze import TrainablePlan, apply_freeze, frozen_digest, plan_trainable
 from cascade_ray.stage.weights import load_numpy_state, load_state_file
 
 
@@ -46,12 +50,14 @@ class Reporter(Protocol):
 class StageOutcome:
     """What rank 0 returns to the driver."""
 
-    trainable_params: int
+    trainable_params: int  # excluding the uncertainty-weighting log-variances
     frozen_params: int
     frozen_digest: dict[str, str]
     steps: int
     world_size: int
     history: list[dict[str, float]]
+    health_warnings: int = 0
+    skipped_steps: int = 0
 
 
 def stage_seed(cfg: PipelineConfig, index: int) -> int:
@@ -84,7 +90,7 @@ def _load_upstream(model: nn.Module, upstream: Mapping[str, np.ndarray]) -> tupl
     return missing, [k for k in upstream if k not in keys]
 
 
-def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, reporter: Reporter, device: torch.device, wrap=None) -> StageOutcome:
+def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, reporter: Reporter, device: torch.device, wrap=None, hooks: LoopHooks | None = None) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
     Args:
@@ -95,72 +101,134 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
         reporter: receives per-epoch metrics and checkpoints.
         device: where to train.
         wrap: optional callable that wraps the model for distributed training (DDP).
+        hooks: optional callbacks for tools and failure simulations (:mod:`cascade_ray.health.hooks`).
+
+    Raises:
+        ConfigError: a schedule length or the precision does not fit this run.
+        HealthError: a health rule with policy ``error`` fired (``FrozenDriftError`` for frozen drift).
     """
-    stage = cfg.stages[index]
+    stage, path = cfg.stages[index], f"stages[{index}]"
+    solver, train = stage.solver, stage.train
+    hooks = hooks or LoopHooks()
+    _check_step_counts(stage, index, len(data.y_train), reporter)
+
+    # the model with its frozen upstream, and the solver over what this stage trains
     model, plan = build_stage_model(cfg, index, data, upstream)
     model.to(device)
     digest = frozen_digest(model, plan)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     log_vars = nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
-    optimizer = build_optimizer(params + ([log_vars] if log_vars is not None else []), stage.solver)
+    if log_vars is not None:
+        named.append(("loss.log_vars", log_vars))
+    params = [p for _, p in named]
+    optimizer = build_optimizer(build_param_groups(named, solver, f"{path}.solver", stage.name), solver)
     total_steps = total_optimizer_steps(stage, len(data.y_train), reporter.world)
-    scheduler = build_scheduler(optimizer, stage.solver.lr_scheduler, total_steps)
+    scheduler = build_scheduler(optimizer, solver.lr_scheduler, total_steps)
+    precision = build_precision(solver, device, f"{path}.solver", hooks.make_scaler)
     net = wrap(model) if wrap is not None else model
+    monitor = HealthMonitor(stage, index, named, optimizer, scheduler, precision, model, plan, reporter.rank, reporter.all_sum)
+    state = LoopState(stage, index, model, net, plan, named, optimizer, scheduler, precision, monitor)
+    hooks.on_setup(state)
+
     train_src = ArraySource(data.x_train, data.y_train, data.mean, data.std, device)
     val_src = ArraySource(data.x_val, data.y_val, data.mean, data.std, device)
     heads = module_stage_names(cfg, index) if stage.type == "joint" else [stage.name]
     scales = {n: cfg.stages[cfg.stage_index(n)].loss.scale for n in heads}
+    if train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
+        evaluate(model, val_src, heads[-1], stage, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
+    stopper = EarlyStopping(train.early_stopping)
     step, stop, history = 0, False, []
-    for epoch in range(stage.train.epochs):
+    for epoch in range(train.epochs):
         model.train()
-        started, seen, loss_sum = time.perf_counter(), 0, torch.zeros(len(heads) + 1, device=device)
-        for batch in train_batches(len(train_src), stage.train.batch_size, rank=reporter.rank, world=reporter.world, seed=stage_seed(cfg, index), epoch=epoch):
+        monitor.start_epoch(step)
+        state.epoch = epoch
+        started, seen, epoch_steps, loss_sum = time.perf_counter(), 0, 0, torch.zeros(len(heads) + 1, device=device)
+        batches = list(train_batches(len(train_src), train.batch_size, rank=reporter.rank, world=reporter.world, seed=stage_seed(cfg, index), epoch=epoch))
+        for batch, window, last in accumulation_windows(batches, solver.accumulation_steps):
             x, y = train_src.batch(batch)
-            if stage.train.augment.enabled:
-                x = augment(x, stage.train.augment)
-            terms = [F.cross_entropy(out, y, label_smoothing=stage.loss.label_smoothing) for out in net(x, heads=heads).values()]
-            loss = _combine(terms, [scales[n] for n in heads], log_vars)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step += 1
+            if train.augment.enabled:
+                x = augment(x, train.augment)
+            # under DDP, all-reduce gradients only once per window, on its last micro-batch
+            with net.no_sync() if not last and isinstance(net, DistributedDataParallel) else nullcontext():
+                with precision.autocast():
+                    loss, terms = stage_loss(net, x, y, stage, scales, log_vars)
+                precision.backward(loss / window)  # the window's gradient is the mean of its micro-batches'
             seen += len(y)
-            loss_sum += torch.stack([loss.detach(), *[t.detach() for t in terms]]) * len(y)
-            if reporter.rank == 0 and step % stage.train.log_interval == 0:
-                print(f"[{stage.name}] epoch {epoch + 1}/{stage.train.epochs} step {step} loss {loss.item():.4f}", flush=True)
-            if stage.train.max_steps is not None and step >= stage.train.max_steps:
+            loss_sum += torch.stack([loss.detach(), *[t.detach() for t in terms]]).float() * len(y)
+            state.loss = loss
+            hooks.after_backward(state)
+            if not last:
+                continue
+            # one optimizer step per window: unscale (fp16), clip, step, then the schedule
+            precision.unscale(optimizer)
+            hooks.before_optimizer_step(state)
+            clip_norm = clip_gradients(params, solver.grad_clip)
+            monitor.before_step(step + 1, clip_norm)
+            skipped = precision.step(optimizer)
+            if not skipped:  # a step the fp16 scaler skipped does not advance the lr plan
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, epoch_steps = step + 1, epoch_steps + 1
+            state.step = step
+            monitor.after_step(step, skipped, loss_sum)
+            hooks.after_optimizer_step(state)
+            if reporter.rank == 0 and step % train.log_interval == 0:
+                print(f"[{stage.name}] epoch {epoch + 1}/{train.epochs} step {step} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.3g}", flush=True)
+            if train.max_steps is not None and step >= train.max_steps:
                 stop = True
                 break
         train_s = time.perf_counter() - started
+        monitor.end_epoch(step, loss_sum, digest)
         sums = reporter.all_sum([float(seen), *loss_sum.tolist()])
-        metrics = {"epoch": epoch + 1, "step": step, "train_loss": sums[1] / sums[0], "lr": scheduler.get_last_lr()[0], "samples_per_s": sums[0] / train_s}
+        metrics = {"epoch": epoch + 1, "step": step, "optimizer_steps": epoch_steps, "train_loss": sums[1] / sums[0], "lr": scheduler.get_last_lr()[0], "samples_per_s": sums[0] / train_s}
         if stage.type == "joint":
             metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(heads)}
         metrics |= evaluate(model, val_src, heads[-1], stage, reporter, prefix="val_")
-        check_frozen(digest, frozen_digest(model, plan), stage.name)
+        metrics |= monitor.epoch_metrics()
         history.append(metrics)
         reporter.report(metrics, model.state_dict() if reporter.rank == 0 else None)
+        if scheduler.step_epoch(metrics) and reporter.rank == 0:
+            print(f"[{stage.name}] {solver.lr_scheduler.monitor} plateaued: lr now {scheduler.get_last_lr()[0]:.3g}", flush=True)
+        if stopper.update(metrics):
+            if reporter.rank == 0:
+                print(f"[{stage.name}] {stopper.reason()}", flush=True)
+            break
         if stop:
             break
-    trainable = sum(p.numel() for p in params)
-    return StageOutcome(trainable, sum(p.numel() for p in model.parameters()) - trainable, digest, step, reporter.world, history)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return StageOutcome(trainable, sum(p.numel() for p in model.parameters()) - trainable, digest, step, reporter.world, history, monitor.warning_count, monitor.skipped)
 
 
-def _combine(terms: list[torch.Tensor], scales: list[float], log_vars: torch.Tensor | None) -> torch.Tensor:
+def _check_step_counts(stage: StageConfig, index: int, n_train: int, reporter: Reporter) -> None:
+    """Schedule lengths against the real number of optimizer steps: errors raise, warnings print."""
+    errors, warnings = stage_step_issues(stage, index, n_train, reporter.world)
+    if errors:
+        raise ConfigError(errors, source=f"stage {stage.name!r} ({n_train} training samples)")
+    if reporter.rank == 0:
+        for issue in warnings:
+            print(f"WARNING config: {issue.render()}", flush=True)
+
+
+def stage_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor, stage: StageConfig, scales: Mapping[str, float], log_vars: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stage's training loss and its per-head terms (`scales`: head -> loss.scale, in order).
+
+    One head: ``scale * CE``. A joint stage sums ``scale_i * CE_i`` over its heads, or with
+    learned uncertainty weighting ``exp(-s_i) * scale_i * CE_i + s_i``.
+    """
+    outs = net(x, heads=list(scales))
+    terms = [F.cross_entropy(outs[n], y, label_smoothing=stage.loss.label_smoothing) for n in scales]
     if log_vars is None:
-        return sum(s * t for s, t in zip(scales, terms))  # type: ignore[return-value]
-    # learned uncertainty weighting: exp(-s_i) * scale_i * L_i + s_i
-    return sum(torch.exp(-log_vars[i]) * s * t + log_vars[i] for i, (s, t) in enumerate(zip(scales, terms)))  # type: ignore[return-value]
+        return sum(s * t for s, t in zip(scales.values(), terms)), terms  # type: ignore[return-value]
+    return sum(torch.exp(-log_vars[i]) * s * t + log_vars[i] for i, (s, t) in enumerate(zip(scales.values(), terms))), terms  # type: ignore[return-value]
 
 
 @torch.no_grad()
-def evaluate(model: CascadeModel, source: ArraySource, head: str, stage: StageConfig, reporter: Reporter, prefix: str) -> dict[str, float]:
-    """Loss and accuracy of `head` over a split, summed across ranks."""
+def evaluate(model: CascadeModel, source: ArraySource, head: str, stage: StageConfig, reporter: Reporter, prefix: str, max_batches: int | None = None) -> dict[str, float]:
+    """Loss and accuracy of `head` over a split (its first `max_batches` batches), summed across ranks."""
     was_training = model.training
     model.eval()
     loss, correct, count = 0.0, 0.0, 0.0
-    for batch in eval_batches(len(source), stage.train.eval_batch_size, rank=reporter.rank, world=reporter.world):
+    for batch in itertools.islice(eval_batches(len(source), stage.train.eval_batch_size, rank=reporter.rank, world=reporter.world), max_batches):
         x, y = source.batch(batch)
         logits = model(x, heads=[head])[head]
         loss += F.cross_entropy(logits, y, reduction="sum").item()

@@ -19,9 +19,12 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from cascade_ray.config.loader import validate_config
+from cascade_ray.config.schema import StageConfig
 from cascade_ray.data import DataSplits
+from cascade_ray.errors import ResourceError
 from cascade_ray.stage.loop import run_stage
 from cascade_ray.stage.weights import load_safetensors, save_safetensors
 
@@ -72,6 +75,40 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
     device = ray.train.torch.get_device()
     reporter = RayReporter(device)
-    wrap = ray.train.torch.prepare_model if reporter.world > 1 else None
-    outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=(lambda m: wrap(m, move_to_device=False)) if wrap else None)
+    wrap = _ddp_wrapper(cfg.stages[index], device) if reporter.world > 1 else None
+    outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=wrap)
     return dataclasses.asdict(outcome) if reporter.rank == 0 else None
+
+
+def _ddp_wrapper(stage: StageConfig, device: torch.device):  # noqa: ANN202
+    """DDP through Ray Train; with ``scaling.sync_batchnorm`` the trainable BatchNorm layers
+    become SyncBatchNorm first (DDP must wrap the converted model)."""
+
+    def wrap(model: nn.Module) -> nn.Module:
+        if stage.scaling.sync_batchnorm:
+            if device.type != "cuda":
+                raise ResourceError(f"stage {stage.name!r}: scaling.sync_batchnorm needs CUDA workers (torch's SyncBatchNorm), but this worker runs on {device.type}. Set sync_batchnorm: false or use_gpu: true.")
+            convert_trainable_batchnorm(model)
+        return ray.train.torch.prepare_model(model, move_to_device=False)
+
+    return wrap
+
+
+def convert_trainable_batchnorm(model: nn.Module) -> list[str]:
+    """Swap every BatchNorm that trains for a SyncBatchNorm sharing its parameters and buffers.
+
+    Frozen BatchNorms are left alone: they are pinned to eval mode (``model.train()``
+    re-applies it) and SyncBatchNorm in eval mode does not sync anyway. Parameter
+    objects are kept, so the optimizer and the frozen digests are unaffected.
+
+    Returns:
+        The qualified names of the converted layers.
+    """
+    model.train()  # a CascadeModel leaves its frozen modules in eval: `.training` marks the trainable ones
+    converted = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, nn.SyncBatchNorm) and child.training:
+                setattr(parent, name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
+                converted.append(f"{parent_name}.{name}".lstrip("."))
+    return converted

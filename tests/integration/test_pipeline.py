@@ -93,3 +93,34 @@ def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
     rerun = run_pipeline(changed, resume=True, log=lambda _: None)
     assert [s["status"] for s in rerun["stages"]] == ["reused", "reused", "trained"]
     assert rerun["stages"][2]["fingerprint"] != first["stages"][2]["fingerprint"]
+
+
+def test_run_outputs_metrics_predictions_and_report_pngs(debug_run):
+    from cascade_ray.cli import main as cli_main
+    from cascade_ray.report.outputs import read_metrics, read_predictions
+
+    _, summary = debug_run
+    run = Path(summary["storage"])
+    metrics = read_metrics(run)
+    assert set(metrics) == {"features", "encoder", "classifier"}
+    assert [r["epoch"] for r in metrics["features"]] == [1, 2]
+    labels, predictions = read_predictions(run)
+    assert (labels == predictions).mean() == pytest.approx(summary["test_accuracy"])
+    assert cli_main(["report", str(run)]) == 0
+    report = (run / "report" / "report.md").read_text()
+    for png in ("features.png", "encoder.png", "classifier.png", "confusion.png"):
+        assert f"]({png})" in report
+        assert (run / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+def test_export_matches_the_eager_model(debug_run, fmt):
+    from cascade_ray.export import export_run
+
+    _, summary = debug_run
+    report = export_run(summary["storage"], fmt, quantize="int8")
+    assert Path(report["path"]).is_file()
+    assert report["max_abs_diff"] < 1e-4, report
+    # the exported model is the composed model: same accuracy as the pipeline measured
+    assert report["eager_test_accuracy"] == pytest.approx(summary["test_accuracy"])
+    assert abs(report["int8_accuracy_change"]) < 0.1

@@ -1,0 +1,296 @@
+"""Where a pipeline's outputs live: a local folder, or a URI on a ``pyarrow.fs`` filesystem.
+
+``storage_path`` is either
+
+- a local path (``~`` expanded, made absolute when the driver starts; Ray workers and jobs
+  run in other working directories), kept as a :class:`pathlib.Path`; or
+- a URI ``pyarrow.fs.FileSystem.from_uri`` understands: ``s3://bucket/prefix``,
+  ``gs://bucket/prefix``, ``file:///abs/path`` (also ``hdfs://``, ``abfs://``), with query
+  options kept (``s3://bucket/runs?endpoint_override=minio:9000``). It becomes a
+  :class:`UriPath`, which has the few pathlib methods the pipeline uses, so the code that
+  writes artifacts and summaries reads the same for both. Ray Train gets the URI string.
+
+On a cluster of more than one machine every worker writes its checkpoints to
+``storage_path`` and the driver reads them back, so it must be storage all nodes share:
+:func:`check_shared_storage` refuses a path on a node-local filesystem there.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from cascade_ray.errors import ConfigError, ConfigIssue
+
+# Schemes pyarrow.fs.FileSystem.from_uri resolves (Ray Train uses the same call).
+URI_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+_URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>[^?]*)(?:\?(?P<query>.*))?$")
+
+# Filesystem types (/proc/mounts) that every node can mount at the same path.
+NETWORK_FS_TYPES = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "afs",
+    "wekafs", "panfs", "fuse.glusterfs", "fuse.ceph-fuse", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs",
+    "fuse.mountpoint-s3", "fuse.sshfs", "fuse.rclone", "fuse.lustre",
+})
+# ... and types that are certainly private to one machine.
+LOCAL_FS_TYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "vfat", "exfat", "ntfs", "ntfs3"})
+
+SHARED_STORAGE_FIX = (
+    "point storage_path at storage every node reaches: s3://bucket/prefix, gs://bucket/prefix, or a "
+    "shared (NFS, Lustre, ...) folder mounted at the same path on every node"
+)
+
+
+class UriPath:
+    """A file or folder on a pyarrow filesystem, with the pathlib methods the pipeline uses.
+
+    ``str()`` is the URI (what Ray Train's ``storage_path`` takes). The filesystem is
+    created on first use (``FileSystem.from_uri``), so building and joining paths needs
+    no network; tests pass their own `fs`.
+    """
+
+    __slots__ = ("scheme", "path", "query", "_fs")
+
+    def __init__(self, scheme: str, path: str, query: str = "", fs: pafs.FileSystem | None = None):
+        self.scheme = scheme
+        self.path = path.rstrip("/") or "/"
+        self.query = query
+        self._fs = fs
+
+    @property
+    def fs(self) -> pafs.FileSystem:
+        if self._fs is None:
+            self._fs = pafs.FileSystem.from_uri(str(self))[0]
+        return self._fs
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.path}" + (f"?{self.query}" if self.query else "")
+
+    def __repr__(self) -> str:
+        return f"UriPath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UriPath) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __truediv__(self, part: str) -> UriPath:
+        return UriPath(self.scheme, f"{self.path}/{str(part).strip('/')}", self.query, self._fs)
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> UriPath:
+        head, sep, _ = self.path.rpartition("/")
+        return UriPath(self.scheme, head or "/", self.query, self._fs) if sep else self  # a bucket is its own parent
+
+    def _type(self) -> pafs.FileType:
+        return self.fs.get_file_info(self.path).type
+
+    def exists(self) -> bool:
+        return self._type() != pafs.FileType.NotFound
+
+    def is_file(self) -> bool:
+        return self._type() == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        return self._type() == pafs.FileType.Directory
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        if not exist_ok and self.exists():
+            raise FileExistsError(str(self))
+        self.fs.create_dir(self.path, recursive=parents)
+
+    def iterdir(self) -> Iterator[UriPath]:
+        for info in self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True)):
+            yield UriPath(self.scheme, info.path, self.query, self._fs)
+
+    def glob(self, pattern: str) -> Iterator[UriPath]:
+        """Direct children whose name matches `pattern` (no ``/`` or ``**``)."""
+        if "/" in pattern or "**" in pattern:
+            raise ValueError(f"UriPath.glob matches names of direct children only, not {pattern!r}")
+        return (child for child in self.iterdir() if fnmatch.fnmatchcase(child.name, pattern))
+
+    def read_bytes(self) -> bytes:
+        with self.fs.open_input_stream(self.path) as f:
+            return f.read()
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def write_bytes(self, data: bytes) -> int:
+        self.fs.create_dir(self.parent.path, recursive=True)  # a no-op on object stores
+        with self.fs.open_output_stream(self.path) as f:
+            f.write(data)
+        return len(data)
+
+    def write_text(self, text: str, encoding: str = "utf-8") -> int:
+        return self.write_bytes(text.encode(encoding))
+
+    def open(self, mode: str = "rb"):  # noqa: ANN201 - a pyarrow NativeFile
+        """Binary streams only: ``rb`` or ``wb``."""
+        if mode == "rb":
+            return self.fs.open_input_stream(self.path)
+        if mode == "wb":
+            self.fs.create_dir(self.parent.path, recursive=True)
+            return self.fs.open_output_stream(self.path)
+        raise ValueError(f"UriPath.open supports 'rb' and 'wb', not {mode!r}")
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if missing_ok and not self.exists():
+            return
+        self.fs.delete_file(self.path)
+
+
+StorageDir = Path | UriPath
+
+
+def parse_uri(uri: str) -> UriPath | None:
+    """A :class:`UriPath` for ``scheme://...``, None for a plain local path.
+
+    Raises:
+        ConfigError: an unsupported scheme, a ``file://`` URI that is not absolute, or a
+            URI without a bucket/host.
+    """
+    m = _URI.match(uri)
+    if m is None:
+        return None
+    scheme, rest, query = m["scheme"].lower(), m["rest"], m["query"] or ""
+    if scheme not in URI_SCHEMES:
+        raise ConfigError([ConfigIssue("storage_path", f"unsupported URI scheme {scheme!r} in {uri!r}", f"use a local path or one of {', '.join(s + '://' for s in URI_SCHEMES)}")])
+    if scheme == "file":
+        # file:///abs/path (empty host) or file://localhost/abs/path
+        path = rest[len("localhost"):] if rest.startswith("localhost/") else rest
+        if not path.startswith("/"):
+            raise ConfigError([ConfigIssue("storage_path", f"{uri!r} is not an absolute file:// URI", "write file:///absolute/path (three slashes)")])
+        return UriPath("file", os.path.normpath(path), query)
+    if not rest.strip("/"):
+        raise ConfigError([ConfigIssue("storage_path", f"{uri!r} names no bucket", f"write {scheme}://bucket/prefix")])
+    return UriPath(scheme, rest.strip("/"), query)
+
+
+def in_ray_job() -> bool:
+    """True inside a ``ray job submit`` entrypoint (the job supervisor sets this)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def storage_root(storage_path: str) -> StorageDir:
+    """``storage_path`` as an absolute local :class:`Path` or a :class:`UriPath`.
+
+    Raises:
+        ConfigError: a bad URI, or a relative local path inside a Ray job (it would land in
+            the job's temporary copy of the working dir, which Ray deletes).
+    """
+    uri = parse_uri(storage_path)
+    if uri is not None:
+        return uri
+    path = Path(storage_path).expanduser()
+    if not path.is_absolute() and in_ray_job():
+        raise ConfigError([ConfigIssue(
+            "storage_path", f"relative path {storage_path!r} inside a Ray job resolves into the job's temporary "
+            f"copy of the working dir ({Path.cwd()}), which Ray deletes after the job",
+            "give an absolute path (storage_path=/shared/cascade-runs) or a URI (s3://bucket/runs)",
+        )])
+    return path.resolve()
+
+
+def is_node_local(path: StorageDir) -> bool:
+    """True for a local path or ``file://`` URI (only shared if the folder is a shared mount)."""
+    return isinstance(path, Path) or path.scheme == "file"
+
+
+def local_path(path: StorageDir) -> Path | None:
+    """The path on this machine for a local path or ``file://`` URI; None for remote storage."""
+    if isinstance(path, Path):
+        return path
+    return Path(path.path) if path.scheme == "file" else None
+
+
+def filesystem_type(path: Path, mounts_file: str = "/proc/mounts") -> str | None:
+    """Type of the filesystem holding `path` (or its nearest existing parent), from /proc/mounts."""
+    try:
+        lines = Path(mounts_file).read_text().splitlines()
+    except OSError:
+        return None
+    probe = Path(os.path.realpath(path))
+    best, fstype = -1, None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].encode().decode("unicode_escape")  # /proc/mounts writes a space as \040
+        if (probe == Path(mount) or Path(mount) in probe.parents) and len(mount) > best:
+            best, fstype = len(mount), fields[2]
+    return fstype
+
+
+def check_shared_storage(path: StorageDir, *, hosts: int, may_add_nodes: bool, log: Callable[[str], None] = print, mounts_file: str = "/proc/mounts") -> None:
+    """Refuse (or warn about) node-local storage on a cluster of more than one machine.
+
+    Args:
+        path: the run folder.
+        hosts: distinct machines among the alive nodes.
+        may_add_nodes: the autoscaler can add machines later.
+        log: where the warning goes when the filesystem type is unknown.
+        mounts_file: the mount table to read (tests pass their own).
+
+    Raises:
+        ConfigError: `path` is on a filesystem private to this machine and the cluster
+            has (or may get) other machines.
+    """
+    local = local_path(path)
+    if local is None or (hosts <= 1 and not may_add_nodes):
+        return
+    fstype = filesystem_type(local, mounts_file)
+    if fstype in NETWORK_FS_TYPES:
+        return
+    cluster = f"{hosts} machines" if hosts > 1 else "an autoscaler that can add machines"
+    message = (
+        f"{path} is on this machine's {fstype or 'unknown'} filesystem, but the cluster has {cluster}: "
+        "workers on other machines would write checkpoints there that this driver cannot read"
+    )
+    if fstype in LOCAL_FS_TYPES:
+        raise ConfigError([ConfigIssue("storage_path", message, SHARED_STORAGE_FIX)])
+    log(f"WARNING: storage_path: {message} (unless it is a shared mount).\n    fix: {SHARED_STORAGE_FIX}")
+
+
+@contextmanager
+def staged_dir(path: StorageDir) -> Iterator[Path]:
+    """A local folder for code that writes with local-path APIs (``pq.write_table``, ``savefig``):
+    `path` itself on this machine, else a temporary folder whose files are copied to `path`
+    when the block ends without an error."""
+    local = local_path(path)
+    if local is not None:
+        local.mkdir(parents=True, exist_ok=True)
+        yield local
+        return
+    with tempfile.TemporaryDirectory(prefix="cascade-ray-stage-") as tmp:
+        yield Path(tmp)
+        for file in sorted(Path(tmp).rglob("*")):
+            if file.is_file():
+                with file.open("rb") as src, (path / file.relative_to(tmp).as_posix()).open("wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+
+
+@contextmanager
+def local_copy(path: StorageDir) -> Iterator[Path]:
+    """`path` itself when it is on this machine, else a temporary download of the file."""
+    local = local_path(path)
+    if local is not None:
+        yield local
+        return
+    with tempfile.TemporaryDirectory(prefix="cascade-ray-") as tmp:
+        target = Path(tmp) / path.name
+        target.write_bytes(path.read_bytes())
+        yield target

@@ -1,0 +1,24 @@
+"""The pitfall suite: each seed field-report failure, reproduced, must end in its specific error.
+
+``pitfall_models`` (this folder, put on sys.path here) holds the stage modules that
+reproduce bugs of user code: a branch cut off from the loss, a NaN in the forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

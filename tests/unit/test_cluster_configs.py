@@ -1,0 +1,109 @@
+"""cluster/: the cluster-launcher YAML (checked with Ray's own schema) and the KubeRay RayJob
+manifest parse, have a head and an autoscaling GPU group, turn token auth on, install the
+package, and run a pipeline command whose script, config and overrides are valid here."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+
+import pytest
+import yaml
+
+from cascade_ray.config import load_config
+from paths import ROOT
+
+LAUNCHER = ROOT / "cluster" / "launcher-aws.yaml"
+RAYJOB = ROOT / "cluster" / "kuberay-rayjob.yaml"
+
+
+def _check_pipeline_command(argv: list[str]) -> None:
+    """`python pipelines/three_stage.py --config X key=value...`: files exist, config + overrides validate."""
+    assert argv[:2] == ["python", "pipelines/three_stage.py"], argv
+    assert (ROOT / argv[1]).is_file()
+    config = argv[argv.index("--config") + 1]
+    assert (ROOT / config).is_file(), config
+    overrides = [a for a in argv[2:] if "=" in a]
+    cfg = load_config(ROOT / config, overrides)
+    assert cfg.storage_path.startswith("s3://"), "a cluster run writes to shared storage"
+    assert all(s.scaling.use_gpu is True for s in cfg.stages), "GPU workers start at zero: the stages ask for GPUs"
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    return yaml.safe_load(LAUNCHER.read_text())
+
+
+def test_launcher_config_passes_rays_own_schema(launcher):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(copy.deepcopy(launcher)))
+
+
+def test_launcher_has_a_head_and_an_autoscaling_gpu_group(launcher):
+    types = launcher["available_node_types"]
+    assert launcher["head_node_type"] in types
+    gpu = [t for name, t in types.items() if name != launcher["head_node_type"] and t["node_config"]["InstanceType"].startswith(("g", "p"))]
+    assert len(gpu) == 1 and gpu[0]["min_workers"] < gpu[0]["max_workers"] <= launcher["max_workers"]
+
+
+def test_launcher_installs_the_package_and_turns_token_auth_on(launcher):
+    assert launcher["file_mounts"]["~/cascade-ray"] == "."
+    assert launcher["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert any("pip install" in c and "-e ~/cascade-ray" in c for c in launcher["setup_commands"])
+    assert any('"ray[default' in c for c in launcher["setup_commands"]), "job submission needs ray[default]"
+    head_start = " ".join(launcher["head_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token ray start --head" in head_start and "--dashboard-host=127.0.0.1" in head_start
+    assert "RAY_AUTH_MODE=token ray start --address" in " ".join(launcher["worker_start_ray_commands"])
+    fetch = " ".join(launcher["head_setup_commands"])
+    assert "cluster/fetch_fashion_mnist.sh ~/fashion-mnist" in fetch and (ROOT / "cluster" / "fetch_fashion_mnist.sh").is_file()
+
+
+def test_launcher_usage_comment_submits_a_valid_pipeline_command():
+    header = "\n".join(line[2:] for line in LAUNCHER.read_text().splitlines() if line.startswith("# "))
+    command = re.search(r"ray job submit --working-dir \. -- (python pipelines/.*?)\n\s*ray down", header.replace("\\\n", " "), re.S)
+    assert command, "the header shows the ray job submit line"
+    argv = shlex.split(command.group(1))
+    _check_pipeline_command(argv)
+    assert any(a == "data.root=/home/ubuntu/fashion-mnist" for a in argv), "the head's fetched copy (ssh_user ubuntu)"
+
+
+@pytest.fixture(scope="module")
+def rayjob():
+    return yaml.safe_load(RAYJOB.read_text())
+
+
+def test_rayjob_entrypoint_is_the_pipeline_in_this_repo(rayjob):
+    assert (rayjob["apiVersion"], rayjob["kind"]) == ("ray.io/v1", "RayJob")
+    steps = [shlex.split(part) for part in rayjob["spec"]["entrypoint"].split("&&")]
+    assert steps[0][:2] == ["bash", "cluster/fetch_fashion_mnist.sh"] and (ROOT / steps[0][1]).is_file()
+    _check_pipeline_command(steps[-1])
+    assert f"data.root={steps[0][2]}" in steps[-1], "the pipeline reads the data the first step fetched"
+
+
+def test_rayjob_runtime_env_and_lifecycle(rayjob):
+    spec = rayjob["spec"]
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert set(runtime_env) == {"working_dir", "pip", "env_vars"}
+    assert any(p.startswith("torch") for p in runtime_env["pip"])
+    from cascade_ray.constants import RAY_ENV_DEFAULTS
+
+    assert runtime_env["env_vars"] == RAY_ENV_DEFAULTS, "the job gets the same env knobs as an embedded run"
+    assert spec["shutdownAfterJobFinishes"] is True
+
+
+def test_rayjob_cluster_has_token_auth_a_head_and_an_autoscaling_gpu_group(rayjob):
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    assert cluster["authOptions"] == {"mode": "token"} and cluster["enableInTreeAutoscaling"] is True
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    images = {head["image"]}
+    (gpu,) = cluster["workerGroupSpecs"]
+    container = gpu["template"]["spec"]["containers"][0]
+    images.add(container["image"])
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert gpu["minReplicas"] < gpu["maxReplicas"]
+    assert images == {f"rayproject/ray:{cluster['rayVersion']}-py311-gpu"}, "one Ray version everywhere"
+    import ray
+
+    assert cluster["rayVersion"] == ray.__version__, "the version this project is tested with"

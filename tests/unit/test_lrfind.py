@@ -1,0 +1,53 @@
+"""``cascade-ray lr-find``: the exponential range test, its suggestion and its PNG."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cascade_ray.cli import main as cli_main
+from cascade_ray.config import load_config
+from cascade_ray.data import load_digits
+from cascade_ray.health.lrfind import lr_find, suggest
+from paths import CONFIGS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_suggestion_is_the_steepest_descent_before_the_minimum():
+    lrs = list(np.logspace(-6, 1, 71))
+    x = np.log10(lrs)
+    # a smooth drop centred at 1e-3 and a blow-up after 1e-1
+    losses = list(2.0 - 1.5 / (1 + np.exp(-3 * (x + 3))) + np.where(x > -1, (x + 1) ** 2 * 5, 0.0))
+    steep, low = suggest(lrs, losses)
+    assert steep == pytest.approx(1e-3, rel=0.2)
+    assert 1e-2 < low < 2e-1
+
+
+def test_range_test_on_the_debug_stage_grows_lr_geometrically_and_suggests_inside_the_range():
+    cfg = load_config(CONFIGS / "debug.yaml")
+    result = lr_find(cfg, 0, load_digits(train_size=None, val_fraction=0.2, seed=0), steps=80)
+    ratios = np.diff(np.log(result.lrs))
+    assert np.allclose(ratios, ratios[0]) and result.lrs[0] == pytest.approx(1e-7)
+    assert len(result.lrs) == len(result.losses) == len(result.smoothed) <= 80
+    assert 1e-5 < result.suggestion < 1.0 and math.isfinite(result.min_loss_lr)
+    assert min(result.smoothed) < result.smoothed[0]  # it learned somewhere in the range
+
+
+@pytest.mark.parametrize(("config", "stage"), [("debug.yaml", "classifier"), ("debug_joint.yaml", "joint")])
+def test_cli_writes_the_png_and_prints_the_suggestion(tmp_path, capsys, config, stage):
+    png = tmp_path / "lr.png"
+    assert cli_main(["lr-find", str(CONFIGS / config), "--stage", stage, "--steps", "40", "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "suggested lr: " in out and f"set stages[" in out and "freshly initialized" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
