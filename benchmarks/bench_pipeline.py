@@ -84,8 +84,13 @@ def run_candidate(config: Path, storage: Path) -> dict:
 
 
 def run_baseline(config: Path, storage: Path) -> dict:
-    from benchmarks.baselines.plain_chain import run_plain_chain
+    from ray import cloudpickle
+
+    import benchmarks.baselines.plain_chain as plain_chain
     from cascade_ray.config import load_config
+
+    cloudpickle.register_pickle_by_value(plain_chain)  # Ray workers need not find benchmarks/ on their path
+    run_plain_chain = plain_chain.run_plain_chain
 
     cfg = load_config(config, [f"storage_path={storage}"])
     t0 = time.perf_counter()

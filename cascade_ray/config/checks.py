@@ -57,7 +57,16 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
             issues += _model_issues(stage, path)
         if stage.loss.weighting != "static":
             issues.append(ConfigIssue(f"{path}.loss.weighting", f"{stage.loss.weighting!r} only applies to a joint stage", "remove it or set type: joint"))
+        if stage.loss.weights is not None:
+            issues.append(ConfigIssue(f"{path}.loss.weights", "only applies to a joint stage (a module stage weighs its loss with loss.scale)", "remove it or use loss.scale"))
     else:
+        for name, weight in (stage.loss.weights or {}).items():
+            from cascade_ray.config.loader import did_you_mean
+
+            if name not in upstream:
+                issues.append(ConfigIssue(f"{path}.loss.weights.{name}", f"{name!r} is not an upstream stage{did_you_mean(name, upstream)} (upstream: {', '.join(upstream)})"))
+            elif not weight > 0:
+                issues.append(ConfigIssue(f"{path}.loss.weights.{name}", f"weight {weight} must be > 0", "drop the term by weighting it small, e.g. 0.01"))
         if index == 0:
             issues.append(ConfigIssue(f"{path}.type", "a joint stage needs trained stages before it", "put the joint stage last"))
         if index > 0 and not stage.trainable_layers:  # torch refuses an optimizer over no parameters, inside the Ray worker

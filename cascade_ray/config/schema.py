@@ -112,6 +112,12 @@ class LossConfig(_Strict):
         description="Joint stages only: `static` sums `scale_i * loss_i`; `uncertainty` learns one "
         "log-variance per term (Kendall et al. 2018) on top of the scales.",
     )
+    weights: dict[str, float] | None = Field(
+        None,
+        description="Joint stages only: stage name -> weight of that stage's loss term, replacing its "
+        "`loss.scale` in the sum (so a sweep can tune the weights without touching the upstream "
+        "stages' own configs); stages not listed keep their `loss.scale`.",
+    )
 
 
 def _auto(value: Any) -> Any:

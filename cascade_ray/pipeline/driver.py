@@ -20,13 +20,14 @@ import torch
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import DataSplits
-from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.data.source import load_data
+from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models.cascade import build_cascade
-from cascade_ray.pipeline.fit import check_resources, cluster_view
+from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.stages import Handoff, StageSession
 from cascade_ray.preflight import require_plans
 from cascade_ray.report.outputs import write_run_outputs
+from cascade_ray.solver import step_count_issues
 from cascade_ray.stage.batches import ArraySource, eval_batches
 from cascade_ray.stage.weights import NumpyState, load_numpy_state
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
@@ -68,7 +69,15 @@ def run_pipeline(
     loaded = {stage: (load_space(path, cfg), str(path)) for stage, path in (spaces or {}).items()}  # errors before Ray
     data = load_data(cfg.data, cfg.seed)  # DataError before any Ray resource
     require_plans(cfg, data.image_shape, data.num_classes)
+    # schedule lengths vs the real optimizer steps need the training-set size
+    errors, warnings = step_count_issues(cfg, len(data.y_train))
+    for issue in warnings:
+        log(f"warning: {issue.render()}")
+    if errors:
+        raise ConfigError(errors, source=f"{cfg.name} ({len(data.y_train)} training samples)")
     log(f"data: {data.source}: train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}, {data.num_classes} classes")
+    if not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
+        _check_embedded_resources(cfg)  # the embedded Ray will be this machine: fail before starting it
     started_ray = _init_ray(address)
     try:
         cluster = cluster_view()
@@ -135,6 +144,23 @@ def _init_ray(address: str | None) -> bool:
     else:
         ray.init(runtime_env={"env_vars": env})
     return True
+
+
+def _check_embedded_resources(cfg: PipelineConfig) -> None:
+    """Resource check against this machine, before an embedded Ray starts.
+
+    Stages asking for custom resources are left to the check after ``ray.init``.
+    """
+    try:
+        from ray._private.utils import get_num_cpus  # what an embedded Ray will detect (cgroup-aware)
+
+        cpus = float(get_num_cpus())
+    except Exception:  # noqa: BLE001 - private API; fall back to the OS count
+        cpus = float(os.cpu_count() or 1)
+    node = {"CPU": cpus, "GPU": float(torch.cuda.device_count())}
+    if any(k not in node for s in cfg.stages for k in (s.scaling.resources_per_worker or {})):
+        return
+    check_resources(cfg, Cluster((node,)))
 
 
 def _job_env_vars() -> set[str]:

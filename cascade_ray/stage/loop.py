@@ -133,7 +133,8 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
     train_src = ArraySource(data.x_train, data.y_train, data.mean, data.std, device)
     val_src = ArraySource(data.x_val, data.y_val, data.mean, data.std, device)
     heads = module_stage_names(cfg, index) if stage.type == "joint" else [stage.name]
-    scales = {n: cfg.stages[cfg.stage_index(n)].loss.scale for n in heads}
+    weights = stage.loss.weights or {}
+    scales = {n: weights.get(n, cfg.stages[cfg.stage_index(n)].loss.scale) for n in heads}
     if train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
         evaluate(model, val_src, heads[-1], stage, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
     stopper = EarlyStopping(train.early_stopping)

@@ -156,7 +156,9 @@ def set_stage_value(raw: dict[str, Any], stage: str, key: str, value: Any) -> No
     """
     node: Any = next(s for s in raw["stages"] if s["name"] == stage)
     parts = split_key(key)
-    for part in parts[:-1]:
+    for part, nxt in zip(parts[:-1], parts[1:]):
+        if isinstance(node, dict) and node.get(part) is None and isinstance(nxt, str):
+            node[part] = {}  # an optional mapping left at null (e.g. loss.weights)
         node = node[part]
     if isinstance(node, list) and not isinstance(parts[-1], int):
         raise TypeError(f"{key}: {parts[-1]!r} indexes a list")

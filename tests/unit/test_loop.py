@@ -76,3 +76,14 @@ def test_max_steps_stops_early(digits):
     reporter = ListReporter()
     outcome = run_stage(cfg, 0, digits, None, reporter, CPU)
     assert outcome.steps == 3 and len(reporter.reports) == 1
+
+
+def test_joint_loss_weights_replace_the_stage_scales(joint_states, digits):
+    cfg, reporters = joint_states
+    weighted = load_config(CONFIGS / "debug_joint.yaml", ["stages.joint.loss.weights={features: 0.05, classifier: 2.0}"])
+    reporter = ListReporter()
+    run_stage(weighted, 3, digits, reporters[2][0].states[-1], reporter, CPU)
+    metrics = reporter.reports[-1]
+    # encoder not listed: keeps its own loss.scale
+    expected = 0.05 * metrics["loss/features"] + cfg.stages[1].loss.scale * metrics["loss/encoder"] + 2.0 * metrics["loss/classifier"]
+    assert metrics["train_loss"] == pytest.approx(expected, rel=1e-6)
