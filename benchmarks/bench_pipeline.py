@@ -27,6 +27,7 @@ reported. A per-stage breakdown says where the time goes. Prints
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -55,32 +56,70 @@ def _warm_up() -> None:
         shutil.rmtree(storage, ignore_errors=True)
 
 
+def timed_loop(fn, log_path: str):
+    """Wrap a train_loop_per_worker so each worker appends (stage, rank, start, end) to `log_path`.
+
+    Attribution only: splits a fit into start-up (fit() called -> loop starts), the loop, and
+    teardown (loop ends -> fit() returns). One append per worker per fit: negligible.
+    """
+
+    def wrapper(config):
+        import ray.train
+
+        start = time.time()
+        try:
+            return fn(config)
+        finally:
+            end = time.time()
+            with open(log_path, "a") as f:
+                stage = config.get("stage_index", config.get("index"))
+                f.write(json.dumps({"stage": stage, "rank": ray.train.get_context().get_world_rank(), "start": start, "end": end}) + "\n")
+
+    return wrapper
+
+
+def _phases(fits: list[tuple[float, float]], log_path: Path) -> list[dict[str, float]]:
+    """Per stage: start-up, loop and teardown seconds from the driver's fit times and the workers' log."""
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.exists() else []
+    out = []
+    for i, (fit_start, fit_end) in enumerate(fits):
+        mine = [r for r in rows if r["stage"] == i]
+        if not mine:
+            out.append({"startup": float("nan"), "loop": float("nan"), "teardown": float("nan")})
+            continue
+        first, last = min(r["start"] for r in mine), max(r["end"] for r in mine)
+        out.append({"startup": first - fit_start, "loop": last - first, "teardown": fit_end - last})
+    return out
+
+
 def run_candidate(config: Path, storage: Path) -> dict:
-    """run_pipeline, with the fit of each stage timed (a wrapper around the name it calls)."""
+    """run_pipeline, with each stage's fit timed (wrappers around the names it calls)."""
+    import cascade_ray.pipeline.fit as fit_mod
     import cascade_ray.pipeline.stages as stages_mod
     from cascade_ray.config import load_config
     from cascade_ray.pipeline.driver import run_pipeline
 
-    fits: list[float] = []
-    original = stages_mod.fit_stage
+    fits: list[tuple[float, float]] = []
+    original_fit, original_loop = stages_mod.fit_stage, fit_mod.train_loop_per_worker
+    log_path = storage / "loop_times.jsonl"
 
     def timed_fit(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = time.time()
         try:
-            return original(*args, **kwargs)
+            return original_fit(*args, **kwargs)
         finally:
-            fits.append(time.perf_counter() - t0)
+            fits.append((t0, time.time()))
 
     cfg = load_config(config, [f"storage_path={storage}"])
-    stages_mod.fit_stage = timed_fit
+    stages_mod.fit_stage, fit_mod.train_loop_per_worker = timed_fit, timed_loop(original_loop, str(log_path))
     try:
         t0 = time.perf_counter()
         summary = run_pipeline(cfg, log=lambda line: None)
         wall = time.perf_counter() - t0
     finally:
-        stages_mod.fit_stage = original
+        stages_mod.fit_stage, fit_mod.train_loop_per_worker = original_fit, original_loop
     stage_s = [s["wall_s"] for s in summary["stages"]]
-    return {"wall": wall, "fits": fits, "stages": stage_s, "accuracy": summary["test_accuracy"]}
+    return {"wall": wall, "fits": [b - a for a, b in fits], "stages": stage_s, "phases": _phases(fits, log_path), "accuracy": summary["test_accuracy"]}
 
 
 def run_baseline(config: Path, storage: Path) -> dict:
@@ -90,14 +129,19 @@ def run_baseline(config: Path, storage: Path) -> dict:
     from cascade_ray.config import load_config
 
     cloudpickle.register_pickle_by_value(plain_chain)  # Ray workers need not find benchmarks/ on their path
-    run_plain_chain = plain_chain.run_plain_chain
-
+    log_path = storage / "loop_times.jsonl"
+    original_loop = plain_chain.train_stage
     cfg = load_config(config, [f"storage_path={storage}"])
-    t0 = time.perf_counter()
-    out = run_plain_chain(cfg, storage, log=lambda line: None)
-    wall = time.perf_counter() - t0
-    fits = [s["wall_s"] for s in out["stages"]]
-    return {"wall": wall, "fits": fits, "stages": fits, "accuracy": out["test_accuracy"]}
+    plain_chain.train_stage = timed_loop(original_loop, str(log_path))
+    try:
+        t0 = time.perf_counter()
+        out = plain_chain.run_plain_chain(cfg, storage, log=lambda line: None)
+        wall = time.perf_counter() - t0
+    finally:
+        plain_chain.train_stage = original_loop
+    fits = [(s["fit_start"], s["fit_end"]) for s in out["stages"]]
+    stage_s = [s["wall_s"] for s in out["stages"]]
+    return {"wall": wall, "fits": [b - a for a, b in fits], "stages": stage_s, "phases": _phases(fits, log_path), "accuracy": out["test_accuracy"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,14 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         base = statistics.median(r["wall"] for r in runs["baseline"])
         print(f"plain chain (TorchTrainer + checkpoint dirs) wall time: {base:.1f} s (1.000 vs baseline)")
         print(f"run_pipeline wall time: {cand:.1f} s ({cand / base:.3f} vs baseline)")
+        def med(kind: str, fn) -> float:
+            return statistics.median(fn(r) for r in runs[kind])
+
         for i, stage in enumerate(cfg.stages):
-            b_fit = statistics.median(r["fits"][i] for r in runs["baseline"])
-            c_fit = statistics.median(r["fits"][i] for r in runs["candidate"])
-            c_stage = statistics.median(r["stages"][i] for r in runs["candidate"])
-            print(f"  stage {stage.name}: plain fit {b_fit:.1f} s; run_pipeline fit {c_fit:.1f} s ({c_fit / b_fit:.3f} vs baseline), "
-                  f"+ after-fit (best checkpoint, frozen check, artifact, put) {c_stage - c_fit:.2f} s")
+            parts = []
+            for kind, label in (("baseline", "plain"), ("candidate", "run_pipeline")):
+                ph = {k: med(kind, lambda r, k=k: r["phases"][i][k]) for k in ("startup", "loop", "teardown")}
+                after = med(kind, lambda r: r["stages"][i] - r["fits"][i])
+                parts.append(f"{label} fit {med(kind, lambda r: r['fits'][i]):.1f} s (start-up {ph['startup']:.1f}, loop {ph['loop']:.1f}, "
+                             f"teardown {ph['teardown']:.1f}) + after fit {after:.2f} s")
+            print(f"  stage {stage.name}: " + "; ".join(parts))
         outside = [r["wall"] - sum(r["stages"]) for r in runs["candidate"]]
-        b_outside = [r["wall"] - sum(r["fits"]) for r in runs["baseline"]]
+        b_outside = [r["wall"] - sum(r["stages"]) for r in runs["baseline"]]
         print(f"  outside the stages (data, checks, put; test evaluation, summary, reports): run_pipeline {statistics.median(outside):.2f} s, "
               f"plain chain {statistics.median(b_outside):.2f} s")
         ratio = cand / base

@@ -118,7 +118,7 @@ def run_plain_chain(cfg, storage: Path, *, log=print) -> dict[str, Any]:
     data_ref = ray.put(data.to_arrays())
     upstream_dir, stages = None, []
     for index, stage in enumerate(cfg.stages):
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         trainer = TorchTrainer(
             train_stage,
             train_loop_config={"cfg": cfg, "index": index, "data": [data_ref], "upstream_dir": upstream_dir},
@@ -129,9 +129,10 @@ def run_plain_chain(cfg, storage: Path, *, log=print) -> dict[str, Any]:
             ),
         )
         result = trainer.fit()
+        fit_end = time.time()
         best, metrics = max(result.best_checkpoints, key=lambda pair: pair[1]["val_accuracy"])
         upstream_dir = best.path  # the next stage's workers read the weights from here
-        stages.append({"name": stage.name, "wall_s": time.perf_counter() - t0, "val_accuracy": metrics["val_accuracy"]})
+        stages.append({"name": stage.name, "wall_s": time.perf_counter() - t0, "val_accuracy": metrics["val_accuracy"], "fit_start": started, "fit_end": fit_end})
         log(f"  plain {stage.name}: {stages[-1]['wall_s']:.1f} s")
     # the composed model on the test split, like the pipeline's final evaluation
     model = build_cascade(cfg, require_plans(cfg, data.image_shape, data.num_classes), data.num_classes, upto=len(cfg.stages) - 1)

@@ -99,8 +99,8 @@ def test_run_outputs_metrics_predictions_and_report_pngs(debug_run):
     from cascade_ray.cli import main as cli_main
     from cascade_ray.report.outputs import read_metrics, read_predictions
 
-    _, summary = debug_run
-    run = Path(summary["storage"])
+    run = Path(debug_run[1]["storage"])
+    summary = json.loads((run / "summary.json").read_text())  # the latest run in this folder (resume test reruns)
     metrics = read_metrics(run)
     assert set(metrics) == {"features", "encoder", "classifier"}
     assert [r["epoch"] for r in metrics["features"]] == [1, 2]
@@ -117,8 +117,9 @@ def test_run_outputs_metrics_predictions_and_report_pngs(debug_run):
 def test_export_matches_the_eager_model(debug_run, fmt):
     from cascade_ray.export import export_run
 
-    _, summary = debug_run
-    report = export_run(summary["storage"], fmt, quantize="int8")
+    run = Path(debug_run[1]["storage"])
+    summary = json.loads((run / "summary.json").read_text())  # the latest run in this folder
+    report = export_run(run, fmt, quantize="int8")
     assert Path(report["path"]).is_file()
     assert report["max_abs_diff"] < 1e-4, report
     # the exported model is the composed model: same accuracy as the pipeline measured
