@@ -27,3 +27,9 @@ def apply_ray_env_defaults() -> dict[str, str]:
     for key, value in RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in RAY_ENV_DEFAULTS}
+
+
+# Test hook: "<stage>:<optimizer step>:<marker file>" kills rank 0 of that stage right after
+# that step, once (the marker file records it). Read by the driver and passed to the
+# workers in the train loop config, so it reaches workers of an already-running cluster.
+FAULT_ONCE_ENV = "CASCADE_RAY_FAULT_ONCE"

@@ -444,6 +444,13 @@ class StageConfig(_Strict):
         description="Upstream stage name -> number of its last layers to unfreeze and train with "
         "this stage's solver (-1 = all). Those layers leave the frozen digest.",
     )
+    max_failures: int = Field(
+        0,
+        ge=-1,
+        description="Worker-group restarts Ray Train may do for this stage after a worker crash (-1: "
+        "unlimited); each restart resumes from the latest checkpoint with optimizer, schedule, scaler, "
+        "RNG and step counters.",
+    )
     head: HeadConfig = Field(default_factory=HeadConfig, description="The stage's head.")
     loss: LossConfig = Field(default_factory=LossConfig, description="The stage's loss.")
     solver: SolverConfig = Field(default_factory=SolverConfig, description="The stage's optimizer.")
@@ -460,6 +467,13 @@ class PipelineConfig(_Strict):
     name: str = Field(pattern=STAGE_NAME_PATTERN, description="Run name; artifacts go to storage_path/name.")
     seed: int = Field(
         0, ge=0, le=2**32 - 1, description="Seed for data splits, initialization and shuffling (scikit-learn's range: 0 to 2**32 - 1)."
+    )
+    deterministic: bool = Field(
+        False,
+        description="Deterministic kernels on every worker (torch.use_deterministic_algorithms, no cuDNN "
+        "autotuning, CUBLAS_WORKSPACE_CONFIG set): a stage resumed after a crash then ends bit-identical to "
+        "an uninterrupted one on GPUs too (CPU runs already are). Slower on GPU; an op with no "
+        "deterministic implementation raises.",
     )
     storage_path: str = Field(
         "~/cascade-ray-runs",

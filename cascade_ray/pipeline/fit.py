@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
+from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
 from cascade_ray.stage.worker import train_loop_per_worker
 from cascade_ray.storage import StorageDir
@@ -200,6 +202,7 @@ def fit_stage(
             # refs inside lists: the worker ray.get()s them itself
             "data_ref": [data_ref],
             "upstream_ref": [upstream_ref] if upstream_ref is not None else [],
+            "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
         },
         # backend: Ray Train picks NCCL when workers have GPUs, gloo otherwise (TorchConfig(backend=None))
         scaling_config=ray.train.ScalingConfig(
@@ -211,6 +214,8 @@ def fit_stage(
             name=run_name,
             storage_path=str(ray_dir),
             callbacks=callbacks,
+            # a crashed worker restarts the group from the latest checkpoint (trainer state included)
+            failure_config=ray.train.FailureConfig(max_failures=stage.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=1,
                 checkpoint_score_attribute=stage.train.metric,

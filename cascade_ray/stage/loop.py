@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from cascade_ray.preflight import require_plans
 from cascade_ray.solver import EarlyStopping, build_optimizer, build_param_groups, build_precision, build_scheduler, clip_gradients, stage_step_issues, total_optimizer_steps
 from cascade_ray.stage.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
 from cascade_ray.stage.freeze import TrainablePlan, apply_freeze, frozen_digest, plan_trainable
+from cascade_ray.stage.resume import restore_trainer_state, trainer_state
 from cascade_ray.stage.weights import load_numpy_state, load_state_file
 
 
@@ -42,8 +43,8 @@ class Reporter(Protocol):
     def all_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks."""
 
-    def report(self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None) -> None:
-        """Publish one epoch's metrics; rank 0 passes the model state to checkpoint."""
+    def report(self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None) -> None:
+        """Publish one epoch's metrics; rank 0 passes the model and trainer state to checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,10 @@ def _load_upstream(model: nn.Module, upstream: Mapping[str, np.ndarray]) -> tupl
     return missing, [k for k in upstream if k not in keys]
 
 
-def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, reporter: Reporter, device: torch.device, wrap=None, hooks: LoopHooks | None = None) -> StageOutcome:
+def run_stage(
+    cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, reporter: Reporter, device: torch.device,
+    wrap=None, hooks: LoopHooks | None = None, resume: Mapping[str, Any] | None = None,
+) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
     Args:
@@ -102,6 +106,8 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
         device: where to train.
         wrap: optional callable that wraps the model for distributed training (DDP).
         hooks: optional callbacks for tools and failure simulations (:mod:`cascade_ray.health.hooks`).
+        resume: ``{"model": numpy state, "trainer": trainer_state}`` of the last checkpoint when
+            a restarted worker group continues the stage (:mod:`cascade_ray.stage.resume`).
 
     Raises:
         ConfigError: a schedule length or the precision does not fit this run.
@@ -138,8 +144,14 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
     if train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
         evaluate(model, val_src, heads[-1], stage, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
     stopper = EarlyStopping(train.early_stopping)
-    step, stop, history = 0, False, []
-    for epoch in range(train.epochs):
+    start_epoch, step, stop, history = 0, 0, False, []
+    if resume is not None:  # a restarted worker group: continue after its last checkpoint
+        load_numpy_state(model, resume["model"])
+        start_epoch, step, monitor.skipped, history = restore_trainer_state(resume["trainer"], optimizer, scheduler, precision, stopper, stage.name)
+        monitor.scheduled = scheduler.steps
+        if reporter.rank == 0:
+            print(f"[{stage.name}] resumed after epoch {start_epoch} at optimizer step {step}", flush=True)
+    for epoch in range(start_epoch, train.epochs):
         model.train()
         monitor.start_epoch(step)
         state.epoch = epoch
@@ -187,7 +199,8 @@ def run_stage(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mappi
         metrics |= evaluate(model, val_src, heads[-1], stage, reporter, prefix="val_")
         metrics |= monitor.epoch_metrics()
         history.append(metrics)
-        reporter.report(metrics, model.state_dict() if reporter.rank == 0 else None)
+        resumable = trainer_state(optimizer, scheduler, precision, stopper, epochs_done=epoch + 1, step=step, skipped=monitor.skipped, history=history)
+        reporter.report(metrics, model.state_dict() if reporter.rank == 0 else None, resumable if reporter.rank == 0 else None)
         if scheduler.step_epoch(metrics) and reporter.rank == 0:
             print(f"[{stage.name}] {solver.lr_scheduler.monitor} plateaued: lr now {scheduler.get_last_lr()[0]:.3g}", flush=True)
         if stopper.update(metrics):

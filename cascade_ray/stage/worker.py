@@ -25,7 +25,9 @@ from cascade_ray.config.loader import validate_config
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.errors import ResourceError
+from cascade_ray.health import LoopHooks
 from cascade_ray.stage.loop import run_stage
+from cascade_ray.stage.resume import TRAINER_STATE
 from cascade_ray.stage.weights import load_safetensors, save_safetensors
 
 CHECKPOINT_WEIGHTS = "model.safetensors"
@@ -47,14 +49,48 @@ class RayReporter:
         dist.all_reduce(t)
         return t.tolist()
 
-    def report(self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None) -> None:
+    def report(self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None) -> None:
         if state is None:
             ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory() as tmp:
             save_safetensors(state, Path(tmp) / CHECKPOINT_WEIGHTS)
             (Path(tmp) / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+            if trainer is not None:
+                torch.save(trainer, Path(tmp) / TRAINER_STATE)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def read_resume_state() -> dict[str, Any] | None:
+    """The latest registered checkpoint of this run after a worker-group restart, else None.
+
+    Trainer state is read with ``weights_only=True``: tensors and plain containers only.
+    """
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        trainer = Path(folder) / TRAINER_STATE
+        if not trainer.is_file():
+            return None
+        return {"model": read_checkpoint(folder), "trainer": torch.load(trainer, map_location="cpu", weights_only=True)}
+
+
+class FaultInjection:
+    """Test hook (``constants.FAULT_ONCE_ENV`` = ``<stage>:<step>:<marker file>``): kills this
+    worker (rank 0) right after optimizer step <step> of <stage>, once: the marker file
+    records it, so the restarted worker group runs through."""
+
+    def __init__(self, spec: str, stage: str, rank: int):
+        name, _, rest = spec.partition(":")
+        step, _, marker = rest.partition(":")
+        self.armed = bool(spec) and name == stage and rank == 0 and not Path(marker).exists()
+        self.step, self.marker = (int(step), Path(marker)) if self.armed else (0, Path())
+
+    def __call__(self, state: Any) -> None:
+        if self.armed and state.step == self.step:
+            self.marker.write_text(f"killed at step {self.step}\n")
+            os._exit(17)  # a crash, not an exception: Ray sees the worker die
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -70,13 +106,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # Ray pins OMP threads to the CPUs assigned; torch must follow or it oversubscribes.
     torch.set_num_threads(max(1, int(cpus)))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus))))
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     (data_ref,) = loop_config["data_ref"]
     data = DataSplits.from_arrays(ray.get(data_ref))
     upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
     device = ray.train.torch.get_device()
     reporter = RayReporter(device)
     wrap = _ddp_wrapper(cfg.stages[index], device) if reporter.world > 1 else None
-    outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=wrap)
+    hooks = LoopHooks(after_optimizer_step=FaultInjection(loop_config.get("fault_once", ""), cfg.stages[index].name, reporter.rank))
+    outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=wrap, hooks=hooks, resume=read_resume_state())
     return dataclasses.asdict(outcome) if reporter.rank == 0 else None
 
 

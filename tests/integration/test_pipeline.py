@@ -125,3 +125,22 @@ def test_export_matches_the_eager_model(debug_run, fmt):
     # the exported model is the composed model: same accuracy as the pipeline measured
     assert report["eager_test_accuracy"] == pytest.approx(summary["test_accuracy"])
     assert abs(report["int8_accuracy_change"]) < 0.1
+
+
+def test_a_crashed_worker_resumes_from_its_checkpoint_bit_identically(debug_run, tmp_path, monkeypatch):
+    from cascade_ray.constants import FAULT_ONCE_ENV
+
+    _, reference = debug_run
+    marker = tmp_path / "fault.marker"
+    # step 40 is in epoch 2 of features (36 steps per epoch): the restart redoes epoch 2
+    monkeypatch.setenv(FAULT_ONCE_ENV, f"features:40:{marker}")
+    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", "stages.features.max_failures=1"])
+    summary = run_pipeline(cfg, stop_after="features", log=lambda _: None)
+    assert marker.read_text().startswith("killed at step 40"), "the fault was injected"
+    record = summary["stages"][0]
+    assert record["metrics"]["step"] == 72 and [m["epoch"] for m in record["history"]] == [1, 2]
+    _, resumed = read_artifact(record["artifact"])
+    _, straight = read_artifact(reference["stages"][0]["artifact"])
+    assert resumed.keys() == straight.keys()
+    for key, value in straight.items():
+        assert np.array_equal(value, resumed[key]), key

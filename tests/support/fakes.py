@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from cascade_ray.stage.weights import to_numpy_state
@@ -15,11 +16,14 @@ class ListReporter:
     world: int = 1
     reports: list[dict] = field(default_factory=list)
     states: list[dict] = field(default_factory=list)
+    trainers: list[dict] = field(default_factory=list)
 
     def all_sum(self, values):
         return list(values)
 
-    def report(self, metrics, state):
+    def report(self, metrics, state, trainer=None):
         self.reports.append(dict(metrics))
         if state is not None:
             self.states.append(to_numpy_state(state))
+        if trainer is not None:
+            self.trainers.append(copy.deepcopy(trainer))

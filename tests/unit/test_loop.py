@@ -87,3 +87,32 @@ def test_joint_loss_weights_replace_the_stage_scales(joint_states, digits):
     # encoder not listed: keeps its own loss.scale
     expected = 0.05 * metrics["loss/features"] + cfg.stages[1].loss.scale * metrics["loss/encoder"] + 2.0 * metrics["loss/classifier"]
     assert metrics["train_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_stage(digits):
+    from cascade_ray.stage.resume import TRAINER_STATE  # noqa: F401 - the format under test
+
+    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=3", "stages[0].train.augment={hflip: true, crop_padding: 1}"])
+    straight = ListReporter()
+    run_stage(cfg, 0, digits, None, straight, CPU)
+    # "crash" after epoch 1: a new process would start from that checkpoint
+    first = ListReporter()
+    run_stage(load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=1", "stages[0].train.augment={hflip: true, crop_padding: 1}"]), 0, digits, None, first, CPU)
+    torch.manual_seed(12345)  # whatever the restarted process's RNG holds, the checkpoint's RNG wins
+    resumed = ListReporter()
+    outcome = run_stage(cfg, 0, digits, None, resumed, CPU, resume={"model": first.states[-1], "trainer": first.trainers[-1]})
+    assert outcome.steps == straight.reports[-1]["step"]
+    assert [m["epoch"] for m in outcome.history] == [1, 2, 3]
+    for key, value in straight.states[-1].items():
+        assert np.array_equal(value, resumed.states[-1][key]), key
+
+
+def test_a_checkpoint_at_the_wrong_step_is_refused(digits):
+    from cascade_ray.errors import CascadeError
+
+    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=2"])
+    first = ListReporter()
+    run_stage(load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=1"]), 0, digits, None, first, CPU)
+    trainer = dict(first.trainers[-1], step=first.trainers[-1]["step"] + 5)
+    with pytest.raises(CascadeError, match="wrong step"):
+        run_stage(cfg, 0, digits, None, ListReporter(), CPU, resume={"model": first.states[-1], "trainer": trainer})
