@@ -62,7 +62,7 @@ class _Reporter:
     def all_sum(self, values):
         return list(values)
 
-    def report(self, metrics, state):
+    def report(self, metrics, state, trainer=None):
         self.reports.append(dict(metrics))
 
 

@@ -29,7 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ray.train.torch import TorchTrainer
+from safetensors.numpy import load_file, save_file
 from torch.utils.data import DistributedSampler
+
+from cascade_ray.data import DataSplits
+from cascade_ray.data.source import load_data
+from cascade_ray.models.cascade import build_cascade
+from cascade_ray.preflight import require_plans
+from cascade_ray.stage.loop import build_stage_model, stage_seed
+from cascade_ray.stage.weights import load_numpy_state
 
 WEIGHTS = "model.safetensors"
 
@@ -51,11 +59,6 @@ def _check_supported(cfg) -> None:
 
 def train_stage(config: dict[str, Any]) -> None:
     """Ray Train worker: build the model (upstream read from a checkpoint directory), train, report."""
-    from safetensors.numpy import load_file, save_file
-
-    from cascade_ray.data import DataSplits
-    from cascade_ray.stage.loop import build_stage_model, stage_seed
-
     cfg, index = config["cfg"], config["index"]
     stage = cfg.stages[index]
     torch.set_num_threads(1)
@@ -106,13 +109,6 @@ def run_plain_chain(cfg, storage: Path, *, log=print) -> dict[str, Any]:
 
     `storage` must be an absolute local directory (Ray Train's storage_path for every stage).
     """
-    from safetensors.numpy import load_file
-
-    from cascade_ray.data.source import load_data
-    from cascade_ray.models.cascade import build_cascade
-    from cascade_ray.preflight import require_plans
-    from cascade_ray.stage.weights import load_numpy_state
-
     _check_supported(cfg)
     data = load_data(cfg.data, cfg.seed)
     data_ref = ray.put(data.to_arrays())

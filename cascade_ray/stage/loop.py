@@ -186,7 +186,13 @@ def run_stage(
             monitor.after_step(step, skipped, loss_sum)
             hooks.after_optimizer_step(state)
             if reporter.rank == 0 and step % train.log_interval == 0:
-                print(f"[{stage.name}] epoch {epoch + 1}/{train.epochs} step {step} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.3g}", flush=True)
+                rate = epoch_steps / (time.perf_counter() - started)  # optimizer steps/s this epoch
+                eta = (total_steps - step) / rate if rate > 0 else math.nan
+                print(
+                    f"[{stage.name}] epoch {epoch + 1}/{train.epochs} step {step}/{total_steps} loss {loss.item():.4f} "
+                    f"lr {scheduler.get_last_lr()[0]:.3g} {seen * reporter.world / (time.perf_counter() - started):.0f} samples/s ETA {eta:.0f} s",
+                    flush=True,
+                )
             if train.max_steps is not None and step >= train.max_steps:
                 stop = True
                 break
