@@ -9,24 +9,31 @@ running statistics and ``num_batches_tracked``, the 1000-way fc), random float32
 what cascade-ray's driver holds after reading a stage's best checkpoint.
 
 Consumers are Ray actors (``num_cpus=0.25`` each, so 8 fit on ``ray.init(num_cpus=2)``),
-all started and warmed up (torch and safetensors imported) before any timing. Timed: from
-the moment the producer has the state until all N consumers report it loaded, and every
-consumer ends with the same thing, its own writable torch tensors (a copy):
+all started and warmed up (torch and safetensors imported, destination tensors allocated)
+before any timing. Timed: from the moment the producer has the state until all N consumers
+report it loaded; every consumer ends with the same thing, torch tensors it owns:
 
 - **object store** (candidate, cascade-ray's hand-off): one ``ray.put``; each consumer
-  ``ray.get``s the ref (zero-copy read-only numpy views of shared memory) and copies every
-  array into a torch tensor.
+  ``ray.get``s the ref (zero-copy read-only numpy views of shared memory) and copies.
 - **checkpoint directory** (baseline): the producer writes ``weights.safetensors`` into a
-  fresh directory (no fsync); each consumer reads it with ``safetensors.torch.load_file(...,
-  backend="pread")``, which reads into tensors it owns. (The default ``mmap`` backend returns
-  tensors backed by the file mapping, not a copy, so it would not be the same final state.)
-  Nothing is dropped from the page cache: the file is read back from memory, which is the
-  directory path's best case (a checkpoint on cold disk or network storage is slower).
+  fresh directory (no fsync); each consumer reads it. Nothing is dropped from the page
+  cache: the file is read back from memory, the directory path's best case (a checkpoint on
+  cold disk or network storage is slower).
 
-Once, untimed, a consumer of each path returns a sha256 of every tensor it loaded, checked
-against the producer's. Each N runs ``--repeats`` times, the two paths alternating which
-goes first; medians are reported. One extra, *not equal-state*, line shows the object
-store with no copy (read-only numpy views only), to separate transport from copy cost.
+Each path is timed in two modes that end in the same state:
+
+- **fresh tensors**: the consumer allocates them (``np.array`` copy of each view, vs
+  ``safetensors.torch.load_file(..., backend="pread")``; the default ``mmap`` backend returns
+  tensors backed by the file mapping, not a copy, so it would not be the same final state);
+- **into a pre-built module**: ``copy_`` into tensors allocated and written before timing, as
+  a Train worker loads upstream weights into the model it has just built (from the views, vs
+  from ``load_file``'s mmap-backed tensors).
+
+Once, untimed, a consumer of each path and mode returns a sha256 of every tensor it loaded,
+checked against the producer's. Each N and mode runs ``--repeats`` times, the two paths
+alternating which goes first; medians are reported. One extra, *not equal-state*, line per N
+shows the object store with no copy (read-only numpy views only), to separate transport
+from copy cost. "Flat in N" is read as at most 1.5x from the smallest to the largest N.
 Prints ``figure: value (ratio vs baseline)``.
 """
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 import math
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,26 @@ def _run_trial(config: dict[str, Any], *, base: dict[str, Any], stage: str, refs
     # Train run named after the trial: unique per trial, stable across a Tune restore
     run = Path(ray_dir) / f"trial-{trial_id}"
     fit_stage(cfg, index, data_ref=data_ref, upstream_ref=upstream_ref, ray_dir=run.parent, run_name=run.name, callbacks=[TuneReportCallback()])
+    _drain_tune_reports()
     # which object-store copies this trial read: the same ids for every trial, by design
     (run / INPUTS_FILE).write_text(json.dumps({"data": data_ref.hex(), "upstream": upstream_ref.hex() if upstream_ref is not None else None}))
+
+
+def _drain_tune_reports(timeout_s: float = 60.0) -> None:
+    """Wait until Tune has taken this trial's last forwarded report before the trial returns.
+
+    In Ray 2.60 a trial function that returns while TuneReportCallback's last report still
+    sits in the session's inter-actor queue deadlocks the trial actor (its main thread blocks
+    putting that report into a result queue the finished function already filled), and the
+    sweep waits forever. Seen in a 16-trial sweep on 2 CPUs.
+    """
+    from ray.train._internal.session import get_session
+
+    session = get_session()
+    queue = getattr(session, "_inter_actor_queue", None)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and ((queue is not None and not queue.empty()) or not session.result_queue.empty()):
+        time.sleep(0.05)
 
 
 def build_tuner(cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, exp_dir: Path, resume: bool) -> tune.Tuner:

@@ -53,8 +53,13 @@ def test_five_pipelines_and_a_16_trial_sweep_leave_nothing_behind(ray_session, t
     assert swept["stages"][2]["sweep"]["trials"] == 16
     del swept
     final = _snapshot()
+    # Ray keeps a few per-session actors once the first fit made them (Ray Data's
+    # DatasetManager and autoscaling coordinator, the last Train controller until it is
+    # collected): after the first pipeline, the set of live actors must not grow.
+    steady = after[0]["actors"]
+    assert len(steady) <= len(baseline["actors"]) + 3, steady
     for snap in [*after, final]:
-        assert snap["actors"] == baseline["actors"], snap["actors"]
+        assert snap["actors"] == steady, snap["actors"]
         assert snap["placement_groups"] == baseline["placement_groups"]
         # every hand-off and data ref is released once a pipeline returns
         assert snap["object_bytes"] <= baseline["object_bytes"] + 64 * 1024, snap
