@@ -103,7 +103,14 @@ def _run_tool(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # overrides may come after options too (`tune CONFIG --space S lr=...`): argparse alone
+    # stops collecting positionals at the first option
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in a or a.endswith((".yaml", ".yml")) for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from cascade_ray.config import load_config
 
     try:

@@ -32,3 +32,12 @@ def test_doctor_passes_here_and_fails_on_unwritable_storage(tmp_path, monkeypatc
     lines.clear()
     assert run_doctor(storage=str(blocked / "sub"), write=lines.append) == 1
     assert any(line.startswith("FAIL  storage") for line in lines)
+
+
+def test_overrides_may_follow_options(capsys):
+    from paths import CONFIGS, ROOT
+
+    space = ROOT / "tune_spaces" / "encoder.yaml"
+    # a bad override after --space is still an override: validated, exit 2, no Ray
+    assert cli_main(["tune", str(CONFIGS / "three_stage.yaml"), "--space", str(space), "stages.encoder.train.epochs=nope"]) == 2
+    assert "stages[1].train.epochs" in capsys.readouterr().err
