@@ -12,6 +12,25 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 from paths import CONFIGS  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """scikit-learn's digits, split like the debug config."""
+    from cascade_ray.data import load_digits
+
+    return load_digits(train_size=None, val_fraction=0.2, seed=0)
+
+
 @pytest.fixture
 def debug_raw():
     """The debug config as a raw mapping (a fresh copy per test)."""

@@ -9,16 +9,4 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

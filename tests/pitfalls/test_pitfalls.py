@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from cascade_ray.config import load_config
-from cascade_ray.data import load_digits
 from cascade_ray.errors import ConfigError, FrozenDriftError, HealthError
 from cascade_ray.health import LoopHooks
 from cascade_ray.stage.loop import build_stage_model, run_stage
@@ -25,11 +24,6 @@ from paths import CONFIGS
 
 CPU = torch.device("cpu")
 DEBUG = CONFIGS / "debug.yaml"
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_digits(train_size=None, val_fraction=0.2, seed=0)
 
 
 def config_issue(overrides: list[str], path: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from cascade_ray.cli import main as cli_main
 from cascade_ray.config import load_config
@@ -15,15 +14,6 @@ from cascade_ray.pipeline.artifacts import write_artifact
 from cascade_ray.stage.loop import build_stage_model
 from cascade_ray.stage.weights import to_numpy_state
 from paths import CONFIGS
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

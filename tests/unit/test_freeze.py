@@ -6,18 +6,12 @@ import pytest
 import torch
 
 from cascade_ray.config import load_config
-from cascade_ray.data import load_digits
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.registry import module_layers
 from cascade_ray.stage.freeze import check_frozen, frozen_digest
 from cascade_ray.stage.loop import build_stage_model
 from cascade_ray.stage.weights import to_numpy_state
 from paths import CONFIGS
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_digits(train_size=None, val_fraction=0.2, seed=0)
 
 
 def _stage0_state(cfg, digits):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from cascade_ray.config import load_config
-from cascade_ray.data import load_digits
 from cascade_ray.errors import HealthError
 from cascade_ray.health import LoopHooks
 from cascade_ray.stage.loop import run_stage
@@ -17,20 +16,6 @@ from paths import CONFIGS
 
 CPU = torch.device("cpu")
 RULES = ("nonfinite", "grad_flow", "stall", "clip_saturation", "scale_collapse", "lr_drift", "frozen_drift")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_digits(train_size=None, val_fraction=0.2, seed=0)
 
 
 def test_the_debug_cascade_trains_with_zero_alarms(digits, capsys):

@@ -7,17 +7,11 @@ import pytest
 import torch
 
 from cascade_ray.config import load_config
-from cascade_ray.data import load_digits
 from cascade_ray.stage.loop import run_stage
 from paths import CONFIGS
 from fakes import ListReporter
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_digits(train_size=None, val_fraction=0.2, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +84,6 @@ def test_joint_loss_weights_replace_the_stage_scales(joint_states, digits):
 
 
 def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_stage(digits):
-    from cascade_ray.stage.resume import TRAINER_STATE  # noqa: F401 - the format under test
-
     cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=3", "stages[0].train.augment={hflip: true, crop_padding: 1}"])
     straight = ListReporter()
     run_stage(cfg, 0, digits, None, straight, CPU)

@@ -10,7 +10,6 @@ import torch
 
 from cascade_ray.config import load_config, validate_config
 from cascade_ray.config.schema import EarlyStoppingConfig, GradClipConfig, SchedulerConfig, SolverConfig
-from cascade_ray.data import load_digits
 from cascade_ray.errors import ConfigError, HealthError
 from cascade_ray.solver import (
     EarlyStopping,
@@ -85,20 +84,6 @@ def test_lr_schedule_keeps_group_ratios_counts_steps_and_reduces_on_plateau():
     again = build_scheduler(opt, sched.cfg, total=10)
     again.load_state_dict(state)
     assert again.get_last_lr() == pytest.approx([0.03, 0.003]) and again.steps == 1
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_digits(train_size=None, val_fraction=0.2, seed=0)
 
 
 def test_param_groups_first_match_wins_no_decay_on_1d_and_frozen_never_included(digits):

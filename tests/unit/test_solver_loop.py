@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.config import load_config
-from cascade_ray.data import load_digits
 from cascade_ray.health import LoopHooks
 from cascade_ray.stage.batches import num_train_batches
 from cascade_ray.stage.loop import run_stage
@@ -19,20 +18,6 @@ from fakes import ListReporter
 from paths import CONFIGS
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and stays fast on a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_digits(train_size=None, val_fraction=0.2, seed=0)
 
 
 class Counter:
