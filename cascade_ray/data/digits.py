@@ -7,8 +7,6 @@ make claims about models.
 from __future__ import annotations
 
 import numpy as np
-from sklearn import datasets
-from sklearn.model_selection import train_test_split
 
 from cascade_ray.data.splits import (
     DataSplits,
@@ -41,6 +39,10 @@ def load_digits(
     """
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"data.test_fraction: {test_fraction!r} is outside (0, 1); use e.g. 0.2")
+    # imported here: scikit-learn costs ~0.9 s to import in every Ray worker that never loads data
+    from sklearn import datasets
+    from sklearn.model_selection import train_test_split
+
     bunch = datasets.load_digits()
     images = bunch.images  # float64 holding the integers 0..16
     # uint8 keeps the object store small; the values are exact integers, so no loss.

@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 from typing import Union
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 from cascade_ray.errors import DataError
 
@@ -178,6 +177,8 @@ def stratified_subset_and_val(
         )
     # Split indices, not images, so the images are gathered (copied) once.
     idx = np.arange(available)
+    from sklearn.model_selection import train_test_split  # lazy: workers never split data
+
     try:
         if train_size is not None and train_size < available:
             idx, _ = train_test_split(idx, train_size=train_size, stratify=y, random_state=seed)
