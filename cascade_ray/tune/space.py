@@ -64,6 +64,11 @@ class TuneSpace(_Strict):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec, description="Trial scheduler.")
     search: Literal["random", "grid", "optuna"] = Field("random", description="Search algorithm (`optuna` when installed).")
     space: dict[str, Distribution] = Field(min_length=1, description="Dotted stage key -> distribution.")
+    evaluate_current: bool = Field(
+        True,
+        description="random search: the first trial runs the stage's current values, so a sweep never "
+        "returns a config worse than the one it started from (counts toward num_samples).",
+    )
 
 
 def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:
@@ -146,6 +151,20 @@ def _key_issues(cfg: PipelineConfig, stage: str, key: str, value: Any) -> list[C
     except ConfigError as exc:
         return [ConfigIssue(f"space.{key}", f"value {value!r}: {issue.render()}") for issue in exc.issues]
     return []
+
+
+def current_values(cfg: PipelineConfig, space: TuneSpace) -> dict[str, Any] | None:
+    """The stage's configured value at every space key; None when one has no value (e.g. unset weights)."""
+    node0: Any = next(s for s in cfg.model_dump(mode="json")["stages"] if s["name"] == space.stage)
+    values = {}
+    for key in space.space:
+        node = node0
+        for part in split_key(key):
+            node = node[part] if isinstance(node, (dict, list)) and (isinstance(node, list) or part in node) else None
+            if node is None:
+                return None
+        values[key] = node
+    return values
 
 
 def set_stage_value(raw: dict[str, Any], stage: str, key: str, value: Any) -> None:

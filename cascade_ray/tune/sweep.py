@@ -27,7 +27,7 @@ from cascade_ray.config.loader import validate_config
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.pipeline.fit import fit_stage, worker_resources
-from cascade_ray.tune.space import TuneSpace, set_stage_value
+from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
 
 TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
 INPUTS_FILE = "inputs.json"
@@ -118,6 +118,11 @@ def build_tuner(cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_
             time_attr="epoch", max_t=space.scheduler.max_t or stage.train.epochs, grace_period=space.scheduler.grace_period, reduction_factor=space.scheduler.reduction_factor
         )
     search_alg = None
+    current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
+    if current is not None:
+        from ray.tune.search.basic_variant import BasicVariantGenerator
+
+        search_alg = BasicVariantGenerator(points_to_evaluate=[current])
     if space.search == "optuna":
         try:
             from ray.tune.search.optuna import OptunaSearch

@@ -48,6 +48,8 @@ def test_sweep_table_is_sorted_and_complete(sweep):
     assert scores == sorted(scores, reverse=True)
     assert {"config/solver.lr", "config/loss.scale"} <= set(table[0])
     assert record["metrics"]["val_accuracy"] == pytest.approx(scores[0])
+    # evaluate_current: one trial ran the stage's own values, so the sweep cannot do worse
+    assert any(row["config/solver.lr"] == pytest.approx(1e-2) and row["config/loss.scale"] == 1.0 for row in table)
 
 
 def test_every_trial_read_the_same_upstream_object(sweep):
