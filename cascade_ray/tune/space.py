@@ -67,7 +67,8 @@ class TuneSpace(_Strict):
     evaluate_current: bool = Field(
         True,
         description="random search: the first trial runs the stage's current values, so a sweep never "
-        "returns a config worse than the one it started from (counts toward num_samples).",
+        "returns a config worse than the one it started from (counts toward num_samples; ASHA never stops "
+        "this trial early).",
     )
 
 

@@ -102,6 +102,30 @@ def _drain_tune_reports(timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def baseline_asha(baseline: dict[str, Any] | None, **kwargs: Any) -> Any:
+    """An ASHA scheduler that never stops the trial running `baseline` (the stage's current values) early.
+
+    ASHA compares trials at early rungs; a config that starts slower but ends better (a
+    lower lr, say) is stopped after its first epoch. The current-values trial is the
+    sweep's reference: it always runs to ``max_t``, so the best trial is never worse than
+    what the sweep started from. Its results still enter the rungs other trials are cut at.
+    """
+    from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
+
+    class BaselineASHA(AsyncHyperBandScheduler):
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+            action = super().on_trial_result(tune_controller, trial, result)
+            if action == TrialScheduler.STOP and is_baseline(trial.config) and result.get(self._time_attr, 0) < self._max_t:
+                self._num_stopped -= 1
+                return TrialScheduler.CONTINUE
+            return action
+
+    def is_baseline(config: dict[str, Any]) -> bool:
+        return baseline is not None and all(config.get(k) == v for k, v in baseline.items())
+
+    return BaselineASHA(**kwargs)
+
+
 def build_tuner(cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, exp_dir: Path, resume: bool) -> tune.Tuner:
     """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists)."""
     stage = cfg.stages[cfg.stage_index(space.stage)]
@@ -110,15 +134,13 @@ def build_tuner(cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     if resume and tune.Tuner.can_restore(str(exp_dir / "tune")):
         return tune.Tuner.restore(str(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True)
+    current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
     scheduler = None
     if space.scheduler.type == "asha":
-        from ray.tune.schedulers import ASHAScheduler
-
-        scheduler = ASHAScheduler(
-            time_attr="epoch", max_t=space.scheduler.max_t or stage.train.epochs, grace_period=space.scheduler.grace_period, reduction_factor=space.scheduler.reduction_factor
+        scheduler = baseline_asha(
+            current, time_attr="epoch", max_t=space.scheduler.max_t or stage.train.epochs, grace_period=space.scheduler.grace_period, reduction_factor=space.scheduler.reduction_factor
         )
     search_alg = None
-    current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
     if current is not None:
         from ray.tune.search.basic_variant import BasicVariantGenerator
 
