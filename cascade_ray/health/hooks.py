@@ -42,6 +42,9 @@ class LoopState:
         optimizer, scheduler, precision, monitor: the stage's solver pieces.
         epoch: 0-based epoch; step: optimizer steps taken so far.
         loss: the last micro-batch's loss (before division by the window size).
+        rank, world: this worker's rank and the worker count.
+        total_steps: optimizer steps the stage plans (all epochs).
+        row: the latest per-step metrics row (rank 0, every ``train.log_interval`` steps).
     """
 
     stage: StageConfig
@@ -57,6 +60,10 @@ class LoopState:
     epoch: int = 0
     step: int = 0
     loss: torch.Tensor | None = None
+    rank: int = 0
+    world: int = 1
+    total_steps: int = 0
+    row: dict[str, Any] | None = None
 
 
 def _noop(state: LoopState) -> Any:
@@ -73,6 +80,8 @@ class LoopHooks:
         before_optimizer_step: once per window: gradients complete and unscaled, not yet clipped.
         after_optimizer_step: after the optimizer (and schedule) step; gradients are zeroed.
         make_scaler: replaces the CUDA GradScaler under fp16 (lifts the CUDA requirement).
+        on_log: rank 0, every ``train.log_interval`` optimizer steps, with ``state.row`` set;
+            None prints the progress line (a driver-side progress board replaces it).
     """
 
     on_setup: Callable[[LoopState], Any] = _noop
@@ -80,3 +89,31 @@ class LoopHooks:
     before_optimizer_step: Callable[[LoopState], Any] = _noop
     after_optimizer_step: Callable[[LoopState], Any] = _noop
     make_scaler: ScalerFactory | None = None
+    on_log: Callable[[LoopState], Any] | None = None
+
+
+_EVENTS = ("on_setup", "after_backward", "before_optimizer_step", "after_optimizer_step")
+
+
+def chain_hooks(*hooks: LoopHooks) -> LoopHooks:
+    """One :class:`LoopHooks` running each event's callbacks in the order given.
+
+    ``make_scaler`` and ``on_log`` are single slots: the last one set wins.
+    """
+
+    def run_all(callbacks: list[Callable[[LoopState], Any]]) -> Callable[[LoopState], Any]:
+        if not callbacks:
+            return _noop
+        if len(callbacks) == 1:
+            return callbacks[0]  # no wrapper on the per-step path
+
+        def run(state: LoopState) -> None:
+            for callback in callbacks:
+                callback(state)
+
+        return run
+
+    events = {name: run_all([getattr(h, name) for h in hooks if getattr(h, name) is not _noop]) for name in _EVENTS}
+    scalers = [h.make_scaler for h in hooks if h.make_scaler is not None]
+    logs = [h.on_log for h in hooks if h.on_log is not None]
+    return LoopHooks(**events, make_scaler=scalers[-1] if scalers else None, on_log=logs[-1] if logs else None)

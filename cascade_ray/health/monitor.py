@@ -48,6 +48,7 @@ class HealthMonitor:
         self.warning_count = 0
         self._before: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
+        self.last_measured = (0, math.nan, math.nan)  # (step, grad norm, update ratio) of the latest measurement
         self._reset_epoch()
 
     # -- firing ------------------------------------------------------------------------------------
@@ -107,6 +108,12 @@ class HealthMonitor:
             out |= {"loss_scale": self.precision.last_scale, "skipped_steps": float(self.epoch_skipped)}
         return out
 
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Gradient norm and relative update measured at optimizer step `step` (NaN when that step
+        was not measured: see ``health.interval``); no device sync."""
+        measured, norm, ratio = self.last_measured
+        return {"grad_norm": norm, "update_ratio": ratio} if measured == step else {"grad_norm": math.nan, "update_ratio": math.nan}
+
     # -- per optimizer step ------------------------------------------------------------------------
 
     def before_step(self, step: int, clip_norm: torch.Tensor | None) -> None:
@@ -139,6 +146,7 @@ class HealthMonitor:
             values.append((torch.linalg.vector_norm(_flat(self.params) - before) / torch.linalg.vector_norm(before).clamp_min(1e-30)).float())
         measured = torch.stack([v.detach().float() for v in values]).tolist()  # the one sync of a measured step
         norm_value, ratio = measured[0], (measured[2] if len(measured) > 2 else math.nan)
+        self.last_measured = (step, norm_value, ratio)
         if self.on["nonfinite"]:
             self._check_finite(step, float(self.all_sum([1.0 - measured[1]])[0]), norm_value)
         if skipped:
