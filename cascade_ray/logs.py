@@ -1,0 +1,122 @@
+"""``--log-level debug|info|warning``: how much of Ray's and cascade-ray's own output is shown.
+
+- ``debug``: everything. Ray's driver logger at DEBUG, Ray Train's logs at DEBUG, every line
+  every Ray process prints, forwarded with Ray's ``(Actor pid=...)`` prefix; each worker's own
+  progress lines too.
+- ``info`` (default): cascade-ray's lines (the driver's, the progress display, and what rank 0
+  says: warnings, plateaus, early stops, profile summaries). Ray's own INFO/WARNING log lines
+  (``ray.init``, Ray Train's controller and workers) and the output of Ray's internal actors are
+  hidden; errors are not: a failing worker's traceback reaches the driver in the raised
+  exception, and ERROR records and tracebacks that workers print are still forwarded.
+- ``warning``: as ``info`` without the progress display and rank 0's informational lines.
+
+Knobs used (Ray 2.60): ``ray.init(logging_level=...)`` for the driver's ``ray`` logger,
+``RunConfig(logging_config=LoggingConfig(log_level=...))`` for Ray Train's controller and
+worker loggers, and a filter in front of Ray's worker-output printer (a private hook: when
+it is missing, the output is shown unfiltered).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from cascade_ray.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV
+from cascade_ray.errors import ConfigError, ConfigIssue
+
+LOG_LEVELS = ("debug", "info", "warning")
+
+# Ray Train / Tune machinery; their lines are Ray's business unless --log-level debug
+_RAY_ACTORS = re.compile(r"(TrainController|PlacementGroupCleaner|SynchronizationActor|TrainStateActor|PreemptionWatcher|DatasetManager|_PackActor)\b")
+# Ray's own log format (ray_constants.LOGGER_FORMAT): "2026-01-01 10:00:00,123\tINFO file.py:12 -- message"
+_RAY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(DEBUG|INFO|WARNING)\s+\S+:\d+ -- ")
+# Ray Train's INFO lines on workers that bypass LoggingConfig (Ray 2.60 logs "Reporting training
+# result" through logging.getLogger(__file__), i.e. the root logger)
+_RAY_TRAIN_CHATTER = re.compile(r"^(Reporting training result \d+: |Checkpoint successfully created at: |Setting up process group for: |Wrapping provided model in )")
+# rank 0's informational lines: "[stage] resumed ...", "[stage] val_loss plateaued ...", progress
+_OWN_INFO = re.compile(r"^\[[\w.-]+\] ")
+
+_print_guard: Callable[[], AbstractContextManager[Any]] = nullcontext
+
+
+def log_level() -> str:
+    """The level in force: ``LOG_LEVEL_ENV`` (set by :func:`set_log_level`, passed to Ray processes), default info."""
+    level = os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL)
+    if level not in LOG_LEVELS:
+        raise ConfigError([ConfigIssue(LOG_LEVEL_ENV, f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")])
+    return level
+
+
+def set_log_level(level: str) -> None:
+    """Make `level` the level of this driver and of the Ray processes it starts (before ``ray.init``)."""
+    if level not in LOG_LEVELS:
+        raise ConfigError([ConfigIssue("--log-level", f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")])
+    os.environ[LOG_LEVEL_ENV] = level
+    logging.getLogger("ray").setLevel(ray_logging_level(level))
+
+
+def ray_logging_level(level: str | None = None) -> int:
+    """Level of the driver's ``ray`` logger: DEBUG with ``debug``, else ERROR."""
+    return logging.DEBUG if (level or log_level()) == "debug" else logging.ERROR
+
+
+def train_logging_config() -> Any:
+    """Ray Train's ``LoggingConfig`` for a stage's ``RunConfig`` (controller and worker loggers)."""
+    import ray.train
+
+    return ray.train.LoggingConfig(log_level="DEBUG" if log_level() == "debug" else "ERROR")
+
+
+def keep_lines(data: dict[str, Any], level: str) -> list[str]:
+    """The lines of one batch of forwarded Ray process output that `level` shows.
+
+    `data` is what Ray's log monitor publishes: ``lines``, ``actor_name``, ``task_name``,
+    ``is_err``, ``pid``.
+    """
+    lines = list(data.get("lines") or [])
+    if level == "debug":
+        return lines
+    if _RAY_ACTORS.match(data.get("actor_name") or "") or data.get("pid") in ("autoscaler", "raylet"):
+        return []
+    kept = [line for line in lines if not _RAY_RECORD.match(line) and not _RAY_TRAIN_CHATTER.match(line)]
+    if level == "warning":
+        kept = [line for line in kept if not _OWN_INFO.match(line)]
+    return kept
+
+
+def set_print_guard(guard: Callable[[], AbstractContextManager[Any]] | None) -> None:
+    """A context manager entered around each forwarded batch (the live progress line clears itself)."""
+    global _print_guard
+    _print_guard = guard or nullcontext
+
+
+def install_worker_filter(level: str | None = None) -> bool:
+    """Put :func:`keep_lines` in front of Ray's printer of forwarded worker output (after ``ray.init``).
+
+    Returns False (output unfiltered) when this Ray does not have the private hook this uses.
+    """
+    level = level or log_level()
+    try:
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        original = functools.partial(ray_worker.print_to_stdstream, ignore_prefix=ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker))
+        if not any(name == "ray_print_logs" for name, _ in dispatcher.handlers):  # log_to_driver=False: nothing to filter
+            return False
+    except Exception:  # noqa: BLE001 - private API moved: show everything rather than guess
+        return False
+
+    def handler(data: dict[str, Any]) -> None:
+        lines = keep_lines(data, level)
+        if lines:
+            with _print_guard():
+                original({**data, "lines": lines})
+
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", handler)
+    return True

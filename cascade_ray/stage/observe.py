@@ -1,0 +1,72 @@
+"""What a pipeline run watches on its stage workers: progress pushes, log level, profiling.
+
+The driver side (:func:`observer_config`, called by ``fit_stage``) puts three keys into the
+train loop config; the worker side (:func:`observer_hooks`) turns them into loop hooks.
+Neither needs the other to exist: ``run_stage`` in-process (tests, benchmarks, diagnose)
+runs without any of it, and a Tune trial's workers get no board and print as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.health.hooks import LoopHooks, LoopState, chain_hooks
+
+
+def _quiet(state: LoopState) -> None:
+    return None
+
+
+def observer_config(cfg: PipelineConfig, index: int, run_dir: Any) -> dict[str, Any]:
+    """The observing keys of stage `index`'s train loop config (driver side)."""
+    from cascade_ray.logs import log_level
+    from cascade_ray.profiling import trace_path_for
+    from cascade_ray.progress import active_board
+
+    board = active_board()
+    return {
+        "progress": [board] if board is not None else [],  # inside a list: Ray passes the handle as is
+        "log_level": log_level(),
+        "profile": trace_path_for(cfg.stages[index].name, run_dir),
+    }
+
+
+def observer_hooks(loop_config: Mapping[str, Any], cfg: PipelineConfig, index: int, rank: int, world: int, device: torch.device) -> tuple[LoopHooks, Callable[[], None]]:
+    """Hooks for this worker, and what to call when the stage ends (success or not)."""
+    from cascade_ray.progress import ProgressHook, send_note
+
+    stage = cfg.stages[index]
+    board = (loop_config.get("progress") or [None])[0]
+    hooks: list[LoopHooks] = []
+    if rank == 0 and board is not None:
+        samples = stage.train.batch_size * stage.solver.accumulation_steps * world
+        progress = ProgressHook(board, stage=stage.name, index=index, stages=len(cfg.stages), epochs=stage.train.epochs, samples_per_step=samples)
+        hooks.append(LoopHooks(after_optimizer_step=progress, on_log=_quiet))  # the driver shows progress
+    elif loop_config.get("log_level") == "warning":
+        hooks.append(LoopHooks(on_log=_quiet))
+    profiler = None
+    if rank == 0 and loop_config.get("profile"):
+        from cascade_ray.profiling import StepProfiler
+
+        profiler = StepProfiler(loop_config["profile"], device, stage.name, where=_where())
+        hooks.append(profiler.hooks())
+
+    def finish() -> None:
+        if profiler is not None:
+            send_note(board, profiler.finish())
+
+    return chain_hooks(*hooks), finish
+
+
+def _where() -> str:
+    """Which node wrote the trace (it is a local file there)."""
+    try:
+        import ray
+
+        return f" [node {ray.util.get_node_ip_address()}]"
+    except Exception:  # noqa: BLE001
+        return ""
