@@ -2,6 +2,7 @@
 
     cascade-ray validate pipelines/configs/three_stage.yaml stages[0].solver.lr=3e-4
     cascade-ray run pipelines/configs/debug.yaml --address 127.0.0.1:6379
+    cascade-ray run pipelines/configs/debug.yaml --profile encoder --log-level debug
     cascade-ray submit pipelines/configs/debug.yaml storage_path=s3://bucket/runs --address http://127.0.0.1:8265
     cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--json]
     cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
@@ -21,6 +22,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. stages[0].solver.lr=3e-4 or stages.encoder.train.epochs=2")
 
 
+def _add_log_level(p: argparse.ArgumentParser) -> None:
+    from cascade_ray.logs import LOG_LEVELS
+
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="info (default): cascade-ray's lines and progress, Ray's own log lines hidden (errors still shown); "
+                   "debug: everything Ray prints too; warning: no progress display, only warnings and errors from workers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cascade-ray", description="Train a model in stages on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,11 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="reuse stage artifacts whose fingerprint matches and whose digests verify")
+    p.add_argument("--profile", nargs="?", const="all", default=None, metavar="STAGE",
+                   help="torch.profiler trace of a few steps (skip 2, warm up 2, record 5) of STAGE (comma-separated names; alone: every stage), "
+                   "written to {run}/profile/<stage>.trace.json, top operators printed")
+    _add_log_level(p)
     p = sub.add_parser("tune", help="sweep one stage with Ray Tune on top of the trained (or reused) upstream")
     _add_config_args(p)
     p.add_argument("--space", required=True, help="search space file, e.g. tune_spaces/encoder.yaml")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
+    _add_log_level(p)
     p = sub.add_parser("submit", help="check a config here, then run its pipeline as a Ray job on a cluster and follow the logs (exit 0 SUCCEEDED, 1 FAILED)")
     _add_config_args(p)
     from cascade_ray.jobs import add_submit_args
@@ -45,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", required=True, help="stage name")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps to run (default 20)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--profile", action="store_true", help="torch.profiler trace of steps 5-9 to profile/<stage>.trace.json, top operators in the report")
     p.add_argument("--upstream", default=None, help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)")
     p = sub.add_parser("lr-find", help="exponential lr range test of one stage (no Ray); writes a PNG and prints the suggested lr")
@@ -111,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if isinstance(getattr(args, "profile", None), str) and "=" in args.profile:  # `run CONFIG --profile key=value`: an override, not a stage
+        args.overrides, args.profile = [*args.overrides, args.profile], "all"
     from cascade_ray.config import load_config
 
     try:
@@ -127,19 +144,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diagnose":
             from cascade_ray.health.tools import diagnose_command
 
-            return diagnose_command(cfg, args.stage, steps=args.steps, as_json=args.json, upstream=args.upstream, device=args.device)
+            return diagnose_command(cfg, args.stage, steps=args.steps, as_json=args.json, upstream=args.upstream, device=args.device, profile=args.profile)
         if args.command == "lr-find":
             from cascade_ray.health.tools import lr_find_command
 
             return lr_find_command(cfg, args.stage, out=args.out, steps=args.steps, start_lr=args.start_lr, end_lr=args.end_lr, upstream=args.upstream, device=args.device)
+        from cascade_ray.logs import set_log_level
         from cascade_ray.pipeline.driver import run_pipeline
 
+        set_log_level(args.log_level)
         if args.command == "tune":
             from cascade_ray.tune.space import load_space
 
             stage = load_space(args.space, cfg).stage
             run_pipeline(cfg, address=args.address, resume=args.resume, spaces={stage: args.space}, stop_after=stage)
             return 0
+        if args.profile is not None:
+            from cascade_ray.profiling import check_profile_stages, request_profile
+
+            request_profile(check_profile_stages(cfg, args.profile))
         run_pipeline(cfg, address=args.address, resume=args.resume)
         return 0
     except CascadeError as exc:

@@ -9,6 +9,7 @@ Local, with an embedded Ray (or the cluster in RAY_ADDRESS when set):
     python pipelines/three_stage.py
     python pipelines/three_stage.py --config pipelines/configs/debug.yaml stages.encoder.solver.lr=1e-3
     python pipelines/three_stage.py --tune          # sweep each stage with a tune_spaces/<stage>.yaml
+    python pipelines/three_stage.py --log-level debug   # Ray's own log lines too (default: hidden)
 
 On a cluster (storage_path must be storage every node can reach):
 
@@ -41,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tune", nargs="?", const=str(SPACES), default=None, metavar="DIR",
                         help="sweep every stage with a DIR/<stage>.yaml space (default DIR: %(const)s), best trial frozen before the next")
     parser.add_argument("--resume", action="store_true", help="reuse finished stages whose fingerprint matches (after a crash)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning"], default="info",
+                        help="info: progress and cascade-ray's lines, Ray's own hidden (errors shown); debug: everything; warning: no progress")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages[0].train.epochs=1")
     return parser.parse_args()
 
@@ -48,6 +51,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     try:
+        from cascade_ray.logs import set_log_level
+
+        set_log_level(args.log_level)
         # 1. the plan: config + overrides, validated with the shape preflight (no Ray yet)
         cfg = load_config(args.config, args.overrides)
         print(f"config {args.config}: {' -> '.join(s.name for s in cfg.stages)}", flush=True)

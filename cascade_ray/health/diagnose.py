@@ -18,6 +18,7 @@ import io
 import math
 from collections import defaultdict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.errors import CascadeError
-from cascade_ray.health.hooks import LoopHooks, LoopState
+from cascade_ray.health.hooks import LoopHooks, LoopState, chain_hooks
 
 _RULES = ("nonfinite", "grad_flow", "stall", "clip_saturation", "scale_collapse", "lr_drift", "frozen_drift")
 
@@ -103,7 +104,7 @@ def _update_table(named: list[tuple[str, torch.nn.Parameter]], start: Mapping[st
 
 
 def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 20, upstream: Mapping[str, np.ndarray] | None = None,
-             upstream_source: str | None = None, device: torch.device | None = None) -> dict[str, Any]:
+             upstream_source: str | None = None, device: torch.device | None = None, profile: str | Path | None = None) -> dict[str, Any]:
     """Run stage `index` for `steps` optimizer steps in-process; return the report as a dict.
 
     Args:
@@ -115,6 +116,8 @@ def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 
             freshly initialized (untrained).
         upstream_source: where `upstream` came from, for the report.
         device: default CPU.
+        profile: write a torch.profiler Chrome trace of a few of the steps here
+            (:mod:`cascade_ray.profiling`); the report gets its summary and top operators.
     """
     from cascade_ray.solver.schedule import lr_factor, total_optimizer_steps
     from cascade_ray.stage.loop import run_stage
@@ -131,15 +134,26 @@ def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 
     report: dict[str, Any] = {"stage": stage.name, "index": index, "steps_requested": steps, "device": str(device), "upstream": upstream_note,
                               "solver": stage.solver.model_dump(mode="json")}
     recorder = _Recorder(steps)
+    hooks = recorder.hooks()
+    profiler = None
+    if profile is not None:
+        from cascade_ray.profiling import StepProfiler
+
+        profiler = StepProfiler(profile, device, stage.name)
+        hooks = chain_hooks(profiler.hooks(), hooks)  # the profiler steps before the recorder stops the run
     log = io.StringIO()
     error: CascadeError | None = None
     with contextlib.redirect_stdout(log):
         try:
-            run_stage(diagnose_config(cfg, index, steps), index, data, upstream, _QuietReporter(), device, hooks=recorder.hooks())
+            run_stage(diagnose_config(cfg, index, steps), index, data, upstream, _QuietReporter(), device, hooks=hooks)
         except _Stop:
             pass
         except CascadeError as exc:
             error = exc
+        finally:
+            if profiler is not None:
+                summary = profiler.finish()
+                report["profile"] = {"trace": str(profiler.path) if profiler.path.is_file() else None, "summary": summary}
     report["log"] = log.getvalue().splitlines()
     state = recorder.state
     if state is None:  # failed before the model was built (a step-count or precision error)
@@ -206,6 +220,8 @@ def format_report(report: dict[str, Any]) -> str:
         out += [f"  {r['module'][:44]:<44} {r['update_ratio']:>10.3g}" for r in report["updates"]]
         p = report["precision"]
         out += ["", f"precision: {p['precision']}" + (f", loss scale {p['loss_scale']:g}, {p['skipped_steps']} skipped step(s)" if p["loss_scale"] is not None else " (no loss scaler)")]
+    if "profile" in report:
+        out += ["", report["profile"]["summary"]]
     verdict = report["verdict"]
     out += ["", "verdict: " + ("OK: no health alarms" if verdict["ok"] else f"{len(verdict['alarms'])} alarm(s)")]
     out += [f"  - {a}" for a in verdict["alarms"]]

@@ -49,14 +49,19 @@ def pick_device(cfg: PipelineConfig, index: int, device: str | None) -> torch.de
     return torch.device("cuda" if cfg.stages[index].scaling.use_gpu and torch.cuda.is_available() else "cpu")
 
 
-def diagnose_command(cfg: PipelineConfig, stage: str, *, steps: int, as_json: bool, upstream: str | None, device: str | None) -> int:
-    """Print the diagnose report of one stage; exit 0 when healthy, 1 with alarms."""
+def diagnose_command(cfg: PipelineConfig, stage: str, *, steps: int, as_json: bool, upstream: str | None, device: str | None, profile: bool = False) -> int:
+    """Print the diagnose report of one stage; exit 0 when healthy, 1 with alarms.
+
+    With `profile`, a torch.profiler trace of a few steps goes to ``profile/<stage>.trace.json``.
+    """
     from cascade_ray.data.source import load_data
     from cascade_ray.health.diagnose import diagnose, format_report
+    from cascade_ray.profiling import PROFILE_DIR
 
     index = resolve_stage(cfg, stage)
     state, source = load_upstream(cfg, index, upstream)
-    report = diagnose(cfg, index, load_data(cfg.data, cfg.seed), steps=steps, upstream=state, upstream_source=source, device=pick_device(cfg, index, device))
+    trace = Path(PROFILE_DIR) / f"{stage}.trace.json" if profile else None
+    report = diagnose(cfg, index, load_data(cfg.data, cfg.seed), steps=steps, upstream=state, upstream_source=source, device=pick_device(cfg, index, device), profile=trace)
     print(json.dumps(report, indent=2, default=str) if as_json else format_report(report))
     return 0 if report["verdict"]["ok"] else 1
 
