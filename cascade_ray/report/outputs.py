@@ -1,13 +1,18 @@
 """What a finished run leaves for reports and export, written with pyarrow.
 
 ``{run}/config.yaml`` (the resolved config, swept values included),
-``{run}/metrics/<stage>.parquet`` (one row per epoch) and
-``{run}/test_predictions.parquet`` (label and prediction per test sample).
+``{run}/metrics/<stage>.parquet`` (``kind`` "step": every ``train.log_interval`` optimizer
+steps, the training loss averaged since the previous row, lr, grad norm and update ratio when
+the health monitor measured that step, samples/s; ``kind`` "epoch": one row per epoch with
+the validation metrics), ``{run}/test_predictions.parquet`` (label and prediction per test
+sample) and, when the ``tensorboard`` package is installed, ``{run}/tensorboard/<stage>/``
+event files with the same scalars.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,20 +27,42 @@ METRICS_DIR = "metrics"
 PREDICTIONS_FILE = "test_predictions.parquet"
 
 
-def write_run_outputs(out: Path, cfg: PipelineConfig, records: list[dict[str, Any]], labels: np.ndarray, predictions: np.ndarray) -> None:
-    """Write the resolved config, per-stage metrics tables and the test predictions."""
+def write_run_outputs(out: Path, cfg: PipelineConfig, records: list[dict[str, Any]], labels: np.ndarray, predictions: np.ndarray,
+                      log: Callable[[str], None] = print) -> None:
+    """Write the resolved config, per-stage metrics tables, the test predictions and TensorBoard events."""
+    from cascade_ray.report.tensorboard import write_tensorboard
+
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     (out / METRICS_DIR).mkdir(exist_ok=True)
+    tables = {}
     for record in records:
-        rows = [{"stage": record["name"], **row} for row in record["history"]]
+        rows = metric_rows(record["name"], record["history"])
         if rows:
-            pq.write_table(pa.Table.from_pylist(rows), out / METRICS_DIR / f"{record['name']}.parquet")
+            pq.write_table(_table(rows), out / METRICS_DIR / f"{record['name']}.parquet")
+            tables[record["name"]] = rows
     pq.write_table(pa.table({"label": labels.astype(np.int64), "prediction": predictions.astype(np.int64)}), out / PREDICTIONS_FILE)
+    write_tensorboard(out, tables, log)
+
+
+def metric_rows(stage: str, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stage's history (epoch metrics, each carrying its epoch's per-step rows under ``steps``)
+    as flat rows in training order: each epoch's step rows, then the epoch row."""
+    rows = []
+    for entry in history:
+        rows += [{"stage": stage, **row, "kind": "step"} for row in entry.get("steps", [])]
+        rows.append({"stage": stage, **{k: v for k, v in entry.items() if k != "steps"}, "kind": "epoch"})
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Rows with different keys (step rows have no validation metrics) as one table; missing values are null."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return pa.table({c: [row.get(c) for row in rows] for c in columns})
 
 
 def read_metrics(run: Path) -> dict[str, list[dict[str, Any]]]:
-    """Stage name -> its metric rows, in training order of the files present."""
+    """Stage name -> its metric rows (step and epoch rows, see ``kind``), in training order of the files present."""
     return {p.stem: pq.read_table(p).to_pylist() for p in sorted((run / METRICS_DIR).glob("*.parquet"))}
 
 

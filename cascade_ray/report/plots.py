@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +21,43 @@ def _pyplot():
     return plt
 
 
+def _points(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """(xs, ys) of the rows where `y` is a finite number."""
+    pairs = [(r[x], r[y]) for r in rows if isinstance(r.get(y), (int, float)) and math.isfinite(r[y])]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 def plot_stage(rows: list[dict[str, Any]], stage: str, path: Path) -> Path:
-    """Loss, validation accuracy, lr and grad norm of one stage per epoch."""
+    """Loss, validation accuracy, lr and grad norm of one stage.
+
+    With per-step rows (``kind`` "step") the x axis is the optimizer step: the training loss
+    and lr / grad norm come from the step rows, epoch means and validation metrics are
+    markers at each epoch's last step. Runs without step rows are drawn per epoch.
+    """
     plt = _pyplot()
-    epochs = [r["epoch"] for r in rows]
-    panels = [(key, title) for key, title in _PANELS if key == "loss" or any(r.get(key) is not None for r in rows)]
+    epoch_rows = [r for r in rows if r.get("kind", "epoch") == "epoch"]
+    step_rows = [r for r in rows if r.get("kind") == "step"]
+    x = "step" if step_rows else "epoch"
+    panels = [(key, title) for key, title in _PANELS if key == "loss" or any(_points(part, x, key)[0] for part in (epoch_rows, step_rows))]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         if key == "loss":
-            ax.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train")
-            ax.plot(epochs, [r["val_loss"] for r in rows], marker="o", label="validation")
-            for name in sorted(k for k in rows[0] if k.startswith("loss/")):
-                ax.plot(epochs, [r[name] for r in rows], linestyle="--", label=name)
+            if step_rows:
+                ax.plot(*_points(step_rows, x, "train_loss"), linewidth=1, alpha=0.8, label="train")
+                ax.plot(*_points(epoch_rows, x, "train_loss"), marker="o", linestyle="none", label="train (epoch mean)")
+            else:
+                ax.plot(*_points(epoch_rows, x, "train_loss"), marker="o", label="train")
+            ax.plot(*_points(epoch_rows, x, "val_loss"), marker="o", label="validation")
+            for name in sorted({k for r in epoch_rows for k in r if k.startswith("loss/")}):
+                ax.plot(*_points(epoch_rows, x, name), linestyle="--", label=name)
             ax.legend(fontsize=8)
         else:
-            ax.plot(epochs, [r.get(key) for r in rows], marker="o")
+            source = step_rows if _points(step_rows, x, key)[0] else epoch_rows
+            ax.plot(*_points(source, x, key), marker="o" if source is epoch_rows else None, markersize=3 if source is step_rows else 6)
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         ax.set_title(title)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("optimizer step" if x == "step" else "epoch")
         ax.grid(alpha=0.3)
     fig.suptitle(f"stage {stage}")
     fig.tight_layout()

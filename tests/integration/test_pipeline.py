@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -17,9 +19,21 @@ from paths import CONFIGS
 
 @pytest.fixture(scope="module")
 def debug_run(ray_session, tmp_path_factory):
+    """The debug pipeline, with `--profile encoder`; the driver's stdout (the progress display,
+    no TTY) is kept in {storage}/driver_stdout.txt."""
+    from cascade_ray.profiling import request_profile
+
     storage = tmp_path_factory.mktemp("runs")
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}"])
-    return cfg, run_pipeline(cfg, log=lambda _: None)
+    out = io.StringIO()
+    request_profile({"encoder"})
+    try:
+        with contextlib.redirect_stdout(out):
+            summary = run_pipeline(cfg, log=lambda _: None)
+    finally:
+        request_profile(None)
+    (storage / "driver_stdout.txt").write_text(out.getvalue())
+    return cfg, summary
 
 
 def test_summary_lists_every_stage(debug_run):
@@ -88,6 +102,10 @@ def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
     again = run_pipeline(cfg, resume=True, log=lambda _: None)
     assert [s["status"] for s in again["stages"]] == ["reused"] * 3
     assert again["test_accuracy"] == first["test_accuracy"]
+    def step_rows(summary):  # (step, train loss) of every per-step row: carried by the artifact manifest
+        return [[(r["step"], r["train_loss"]) for h in s["history"] for r in h["steps"]] for s in summary["stages"]]
+
+    assert step_rows(again) == step_rows(first) and all(step_rows(first))
     storage = Path(first["storage"]).parent
     changed = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}", "stages[2].solver.lr=5e-3"])  # downstream only
     rerun = run_pipeline(changed, resume=True, log=lambda _: None)
@@ -103,7 +121,7 @@ def test_run_outputs_metrics_predictions_and_report_pngs(debug_run):
     summary = json.loads((run / "summary.json").read_text())  # the latest run in this folder (resume test reruns)
     metrics = read_metrics(run)
     assert set(metrics) == {"features", "encoder", "classifier"}
-    assert [r["epoch"] for r in metrics["features"]] == [1, 2]
+    assert [r["epoch"] for r in metrics["features"] if r["kind"] == "epoch"] == [1, 2]
     labels, predictions = read_predictions(run)
     assert (labels == predictions).mean() == pytest.approx(summary["test_accuracy"])
     assert cli_main(["report", str(run)]) == 0
@@ -144,3 +162,34 @@ def test_a_crashed_worker_resumes_from_its_checkpoint_bit_identically(debug_run,
     assert resumed.keys() == straight.keys()
     for key, value in straight.items():
         assert np.array_equal(value, resumed[key]), key
+
+
+def test_progress_step_rows_tensorboard_and_profile(debug_run):
+    """Issue 8: the driver's progress lines, per-step metric rows, TensorBoard events, --profile."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cascade_ray.report.outputs import read_metrics
+
+    run = Path(debug_run[1]["storage"])
+    shown = (run.parent / "driver_stdout.txt").read_text().splitlines()
+    # plain lines (no TTY): each stage's first update and its last (72 = 2 epochs x 36 steps)
+    assert any(line.startswith("stage 1/3 features | epoch 1/2 | step ") for line in shown), shown
+    assert "stage 3/3 classifier | epoch 2/2 | step 72/72 | loss " in "\n".join(shown)
+    assert not any("\r" in line for line in shown)
+    # the profile: a Chrome trace in the run folder and its top operators, shown by the driver
+    assert any(line.startswith("profile of stage 'encoder': 5 optimizer step(s) recorded") for line in shown), shown
+    assert "aten::" in "\n".join(shown)
+    assert json.loads((run / "profile" / "encoder.trace.json").read_text())["traceEvents"]
+    assert not (run / "profile" / "features.trace.json").exists()
+    # step rows every log_interval (10) steps, measured grad norm (health.interval 10), then the epoch row
+    rows = read_metrics(run)["features"]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(10, 72, 10))
+    assert all(np.isfinite(r["train_loss"]) and r["grad_norm"] > 0 and r["lr"] == 0.01 and r["samples_per_s"] > 0 for r in steps)
+    assert [r["kind"] for r in rows[:4]] == ["step", "step", "step", "epoch"] and rows[3]["val_accuracy"] is not None
+    assert steps[0]["val_accuracy"] is None
+    # TensorBoard: the same scalars against the optimizer step
+    events = EventAccumulator(str(run / "tensorboard" / "features"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step/train_loss")] == list(range(10, 72, 10))
+    assert [e.step for e in events.Scalars("epoch/val_accuracy")] == [36, 72]

@@ -32,7 +32,7 @@ def test_reports_once_per_epoch_with_the_documented_metrics(joint_states):
     reporter, outcome = reporters[0]
     assert len(reporter.reports) == cfg.stages[0].train.epochs
     assert {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s"} <= set(reporter.reports[-1])
-    assert outcome.history == reporter.reports
+    assert [{k: v for k, v in h.items() if k != "steps"} for h in outcome.history] == reporter.reports  # + per-step rows
     assert outcome.frozen_params == 0 and outcome.trainable_params > 0
 
 
@@ -108,3 +108,23 @@ def test_a_checkpoint_at_the_wrong_step_is_refused(digits):
     trainer = dict(first.trainers[-1], step=first.trainers[-1]["step"] + 5)
     with pytest.raises(CascadeError, match="wrong step"):
         run_stage(cfg, 0, digits, None, ListReporter(), CPU, resume={"model": first.states[-1], "trainer": trainer})
+
+
+def test_step_rows_every_log_interval_carry_loss_lr_grad_norm_and_rate(digits, capsys):
+    """Rank 0 keeps a row every train.log_interval optimizer steps in its epoch's history entry;
+    the progress line is printed unless a hook takes it (the driver's progress board)."""
+    from cascade_ray.health import LoopHooks
+
+    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=1", "stages[0].train.log_interval=5", "stages[0].health.interval=10"])
+    outcome = run_stage(cfg, 0, digits, None, ListReporter(), CPU)
+    rows = outcome.history[0]["steps"]
+    assert [r["step"] for r in rows] == list(range(5, 36, 5)) and {r["kind"] for r in rows} == {"step"} and {r["epoch"] for r in rows} == {1}
+    assert all(np.isfinite(r["train_loss"]) and r["lr"] == 0.01 and r["samples_per_s"] > 0 for r in rows)
+    measured = [r["step"] for r in rows if np.isfinite(r["grad_norm"]) and np.isfinite(r["update_ratio"])]
+    assert measured == [10, 20, 30]  # health.interval: measured steps only, no extra device sync
+    assert rows[0]["train_loss"] > rows[-1]["train_loss"]  # the window mean falls as it learns
+    printed = capsys.readouterr().out
+    assert printed.count("[features] epoch 1/1 step ") == len(rows)
+    logged = []
+    outcome = run_stage(cfg, 0, digits, None, ListReporter(), CPU, hooks=LoopHooks(on_log=lambda s: logged.append(dict(s.row))))
+    assert logged == outcome.history[0]["steps"] and "[features] epoch" not in capsys.readouterr().out
