@@ -172,9 +172,11 @@ def test_progress_step_rows_tensorboard_and_profile(debug_run):
 
     run = Path(debug_run[1]["storage"])
     shown = (run.parent / "driver_stdout.txt").read_text().splitlines()
-    # plain lines (no TTY): each stage's first update and its last (72 = 2 epochs x 36 steps)
-    assert any(line.startswith("stage 1/3 features | epoch 1/2 | step ") for line in shown), shown
-    assert "stage 3/3 classifier | epoch 2/2 | step 72/72 | loss " in "\n".join(shown)
+    # plain lines (no TTY), ending each stage with its last step (2 epochs x 36 steps; 18 on 2 workers)
+    progress = [line for line in shown if line.startswith("stage ")]
+    for done in ("stage 1/3 features | epoch 2/2 | step 72/72 | loss ", "stage 2/3 encoder | epoch 2/2 | step 36/36 | loss ", "stage 3/3 classifier | epoch 2/2 | step 72/72 | loss "):
+        assert any(line.startswith(done) for line in progress), progress
+    assert [line.split(" ")[1] for line in progress] == sorted(line.split(" ")[1] for line in progress)  # stage by stage
     assert not any("\r" in line for line in shown)
     # the profile: a Chrome trace in the run folder and its top operators, shown by the driver
     assert any(line.startswith("profile of stage 'encoder': 5 optimizer step(s) recorded") for line in shown), shown
