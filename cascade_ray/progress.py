@@ -160,7 +160,7 @@ class ProgressDisplay:
         """`log` with the live line cleared before and redrawn after each line."""
 
         def wrapped(line: str) -> None:
-            if not self.tty:
+            if not self.tty and not self._stop.is_set():  # after stop() Ray may be shut down: a poll would start a new one
                 try:
                     self.poll()  # a stage's last update belongs before the driver's line about that stage
                 except Exception:  # noqa: BLE001 - the board is gone; print the line anyway

@@ -120,6 +120,18 @@ def test_plain_lines_first_update_then_the_rarer_of_interval_and_log_interval_th
     assert lines[3].startswith("stage 2/3 encoder |")
 
 
+def test_driver_lines_after_stop_never_poll_the_board():
+    """After the pipeline's stop (Ray shut down), a poll would start a new local Ray instance."""
+    script, out = Script(), io.StringIO()
+    display = ProgressDisplay(script, out, tty=False)
+    script.set(_update(step=72))
+    display.stop()
+    polled = []
+    display.fetch = lambda seen: polled.append(seen)
+    display.wrap(lambda line: print(line, file=out))("summary table")
+    assert polled == [] and out.getvalue().splitlines()[-1] == "summary table"
+
+
 def test_plain_mode_prints_the_last_step_of_a_stage():
     script, clock, out = Script(), Clock(), io.StringIO()
     display = ProgressDisplay(script, out, tty=False, line_interval_s=10.0, clock=clock)
