@@ -84,10 +84,32 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
             issues.append(ConfigIssue(key, f"{name!r} is not an upstream stage{hint} (upstream: {valid})"))
         if count == 0 or count < -1:
             issues.append(ConfigIssue(key, f"{count} layers", "use a positive count, or -1 for all layers"))
+    if stage.freeze.cache_features == "on":
+        issues += [ConfigIssue(f"{path}.freeze.cache_features", f"'on', but {reason}", f"{fix}, or set cache_features: auto (caches only when possible) or off") for reason, fix in cache_refusals(stage, index, path)]
     if stage.pretrained is not None:
         issues += _pretrained_issues(stage.pretrained, f"{path}.pretrained")
     issues += _scaling_issues(stage, f"{path}.scaling")
     return issues
+
+
+def cache_refusals(stage: StageConfig, index: int, path: str) -> list[tuple[str, str]]:
+    """Why stage `index` cannot train on cached upstream features: ``(reason, fix)`` pairs, none when it can.
+
+    The cache holds the frozen upstream's outputs for every training and validation sample,
+    computed once; that is exact only when the upstream never changes (nothing upstream
+    trains) and neither do its inputs (no random augmentation).
+    """
+    refusals = []
+    if index == 0:
+        refusals.append(("the first stage has no upstream to cache", f"remove {path}.freeze"))
+    if stage.type == "joint":
+        refusals.append(("a joint stage trains its upstream, so the upstream outputs change every step", f"remove {path}.freeze"))
+    elif stage.trainable_layers:
+        names = ", ".join(sorted(stage.trainable_layers))
+        refusals.append((f"{path}.trainable_layers opens upstream layers ({names}), so the upstream outputs change every step", f"remove {path}.trainable_layers"))
+    if stage.train.augment.enabled:
+        refusals.append((f"{path}.train.augment randomizes this stage's inputs every epoch", f"turn off {path}.train.augment"))
+    return refusals
 
 
 def _model_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:

@@ -419,6 +419,27 @@ class ScalingConfig(_Strict):
     )
 
 
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 (PyYAML) reads bare ``on``/``off`` as true/false: take them as the words."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+class FreezeConfig(_Strict):
+    """How this stage sees its frozen upstream."""
+
+    cache_features: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = Field(
+        "auto",
+        description="Compute the frozen upstream's outputs once (batched, in parallel over the stage's "
+        "workers), keep them in the object store and as Parquet under `{storage_path}/{name}/cache/`, and "
+        "train this stage (and every Tune trial of it) on them instead of re-running the upstream each "
+        "step. Possible only when nothing upstream trains (no `trainable_layers`, not a joint stage) and "
+        "the inputs are deterministic (no `train.augment`). `auto`: on when possible and the features fit "
+        "in half the object store, otherwise off with the reason logged; `on`: the same, but an impossible "
+        "cache is an error; `off`: never. Not part of the stage fingerprint (it changes how inputs are "
+        "computed, not what is trained).",
+    )
+
+
 class StageConfig(_Strict):
     """One stage: its own module, head, loss, solver, training schedule and scaling."""
 
@@ -444,6 +465,7 @@ class StageConfig(_Strict):
         description="Upstream stage name -> number of its last layers to unfreeze and train with "
         "this stage's solver (-1 = all). Those layers leave the frozen digest.",
     )
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig, description="Frozen-upstream handling (feature cache).")
     max_failures: int = Field(
         0,
         ge=-1,

@@ -82,6 +82,9 @@ class CascadeModel(nn.Module):
         # Frozen submodules stay in eval mode whatever .train() is called with, so
         # BatchNorm running statistics and dropout of frozen stages never move.
         self._frozen: list[nn.Module] = []
+        # Stage whose adapter/module the inputs of forward() feed: None for raw inputs, or the
+        # stage trained on cached upstream features (cascade_ray.pipeline.features).
+        self.input_stage: str | None = None
 
     def set_frozen_modules(self, modules: Sequence[nn.Module]) -> None:
         """Pin these submodules to eval mode (re-applied on every ``train()`` call)."""
@@ -103,14 +106,21 @@ class CascadeModel(nn.Module):
         """
         wanted = list(heads) if heads is not None else [self.order[-1]]
         last = max(self.order.index(name) for name in wanted)
+        first = self.order.index(self.input_stage) if self.input_stage is not None else 0
+        if min(self.order.index(name) for name in wanted) < first:
+            raise ValueError(f"heads {wanted} include a stage before {self.input_stage!r}, whose inputs are cached features")
         out: dict[str, torch.Tensor] = {}
-        for name in self.order[: last + 1]:
-            if name in self.adapters:
-                x = self.adapters[name](x)
-            x = self.blocks[name](x)
+        for name in self.order[first : last + 1]:
+            x = self.run_block(name, x)
             if name in wanted:
                 out[name] = self.heads[name](x)
         return out
+
+    def run_block(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Stage `name`'s adapter (if any) and module on `x`, without its head."""
+        if name in self.adapters:
+            x = self.adapters[name](x)
+        return self.blocks[name](x)
 
 
 def module_stage_names(cfg: PipelineConfig, upto: int) -> list[str]:

@@ -10,7 +10,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from cascade_ray import __version__
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
+from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.preflight import require_plans
@@ -53,6 +54,7 @@ def stage_accounting(cfg: PipelineConfig, index: int, input_shape: tuple[int, ..
 def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str) -> str:
     """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version."""
     stage = cfg.stages[index].model_dump(mode="json")
+    stage.pop("freeze", None)  # how the inputs are computed (feature cache), not what is trained
     blob = json.dumps({"stage": stage, "parent": parent, "data": data_fp, "seed": cfg.seed, "version": __version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -68,6 +70,8 @@ class StageSession:
     input_shape: tuple[int, ...]
     num_classes: int
     log: Callable[[str], None] = print
+    split_sizes: dict[str, int] = field(default_factory=dict)  # samples per split, for the feature cache
+    caches: dict[int, FeatureCache] = field(default_factory=dict)  # stage index -> the cached inputs it trained on
 
     def artifact_dir(self, index: int) -> Path:
         return self.out / "stages" / self.cfg.stages[index].name
@@ -81,9 +85,24 @@ class StageSession:
             if reused is not None:
                 return reused
         t0 = time.perf_counter()
+        cache = self.feature_cache(index, upstream)
         name = unique_run_name(self.out / "ray", stage, index, fp)
-        result = fit_stage(self.cfg, index, data_ref=self.data_ref, upstream_ref=upstream.ref if upstream else None, ray_dir=self.out / "ray", run_name=name)
+        result = fit_stage(
+            self.cfg, index, data_ref=self.data_ref, upstream_ref=upstream.ref if upstream else None, ray_dir=self.out / "ray", run_name=name,
+            features_ref=cache.ref if cache else None,
+        )
         return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
+
+    def feature_cache(self, index: int, upstream: Handoff | None) -> FeatureCache | None:
+        """Stage `index`'s cached upstream outputs (computed or read), or None when it trains on raw inputs."""
+        if upstream is None:
+            return None
+        cache = prepare_feature_cache(
+            self.cfg, index, out=self.out, data_ref=self.data_ref, sizes=self.split_sizes, upstream=upstream, previous=self.caches.get(index - 1), log=self.log,
+        )
+        if cache is not None:
+            self.caches[index] = cache
+        return cache
 
     def finish(self, index: int, upstream: Handoff | None, result: ray.train.Result, *, fp: str, run_name: str, started: float, history: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], Handoff]:
         """Best checkpoint -> frozen hand-off check -> durable artifact -> one ray.put.
@@ -108,6 +127,8 @@ class StageSession:
             "num_workers": outcome.get("world_size", stage.scaling.num_workers), "trainable_params": trainable, "frozen_params": frozen_params,
             "fingerprint": fp, "ray_run": run_name,
         }
+        if index in self.caches:
+            record["feature_cache"] = self.caches[index].record()
         artifact = write_artifact(
             self.artifact_dir(index), state,
             {**{k: record[k] for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")},

@@ -44,7 +44,11 @@ class SweepOutcome:
 def sweep_stage(session: StageSession, space: TuneSpace, space_file: str, upstream: Handoff | None, *, resume: bool) -> SweepOutcome:
     """Run one stage's sweep on top of `upstream` (frozen, one object-store copy for all trials)."""
     exp_dir = session.out / "tune" / space.stage
-    tuner = build_tuner(session.cfg, space, space_file=space_file, data_ref=session.data_ref, upstream_ref=upstream.ref if upstream else None, exp_dir=exp_dir, resume=resume)
+    cache = session.feature_cache(session.cfg.stage_index(space.stage), upstream)  # one copy for every trial
+    tuner = build_tuner(
+        session.cfg, space, space_file=space_file, data_ref=session.data_ref, upstream_ref=upstream.ref if upstream else None, exp_dir=exp_dir, resume=resume,
+        features_ref=cache.ref if cache else None,
+    )
     grid = tuner.fit()
     frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)
     errors = [r.error for r in grid if r.error is not None]

@@ -4,7 +4,7 @@ Ray 2.60's Train V2 trainers cannot be passed to ``Tuner`` directly: each trial 
 function that validates its sampled config and fits the stage's own ``TorchTrainer``,
 with ``TuneReportCallback`` forwarding rank 0's per-epoch reports to Tune. The data and
 upstream weights are object refs created once by the driver; trials pass the refs on
-(inside lists, so nothing resolves them early), so every trial worker reads the same
+(inside a dict, so nothing resolves them early), so every trial worker reads the same
 object-store copy.
 
 Trial drivers hold no CPU (a 1-byte ``memory`` request): with Tune's default of 1 CPU per
@@ -69,20 +69,20 @@ def max_concurrent(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> in
     return space.max_concurrent_trials or fits
 
 
-def _run_trial(config: dict[str, Any], *, base: dict[str, Any], stage: str, refs: list[Any], ray_dir: str) -> None:
+def _run_trial(config: dict[str, Any], *, base: dict[str, Any], stage: str, refs: dict[str, Any], ray_dir: str) -> None:
     """One trial (runs in a Tune trial actor)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     cfg = trial_config(validate_config(base, preflight=False), stage, config)
     index = cfg.stage_index(stage)
     trial_id = tune.get_context().get_trial_id()
-    data_ref, upstream_ref = refs[0], refs[1] if len(refs) > 1 else None
+    data_ref, upstream_ref, features_ref = refs["data"], refs.get("upstream"), refs.get("features")
     # Train run named after the trial: unique per trial, stable across a Tune restore
     run = Path(ray_dir) / f"trial-{trial_id}"
-    fit_stage(cfg, index, data_ref=data_ref, upstream_ref=upstream_ref, ray_dir=run.parent, run_name=run.name, callbacks=[TuneReportCallback()])
+    fit_stage(cfg, index, data_ref=data_ref, upstream_ref=upstream_ref, ray_dir=run.parent, run_name=run.name, callbacks=[TuneReportCallback()], features_ref=features_ref)
     _drain_tune_reports()
     # which object-store copies this trial read: the same ids for every trial, by design
-    (run / INPUTS_FILE).write_text(json.dumps({"data": data_ref.hex(), "upstream": upstream_ref.hex() if upstream_ref is not None else None}))
+    (run / INPUTS_FILE).write_text(json.dumps({name: ref.hex() for name, ref in refs.items()}))
 
 
 def _drain_tune_reports(timeout_s: float = 60.0) -> None:
@@ -126,10 +126,14 @@ def baseline_asha(baseline: dict[str, Any] | None, **kwargs: Any) -> Any:
     return BaselineASHA(**kwargs)
 
 
-def build_tuner(cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, exp_dir: Path, resume: bool) -> tune.Tuner:
-    """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists)."""
+def build_tuner(
+    cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, exp_dir: Path, resume: bool,
+    features_ref: ray.ObjectRef | None = None,
+) -> tune.Tuner:
+    """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists); every trial
+    reads the same data, upstream and (when the stage caches them) upstream-feature objects."""
     stage = cfg.stages[cfg.stage_index(space.stage)]
-    refs = [data_ref] + ([upstream_ref] if upstream_ref is not None else [])
+    refs = {"data": data_ref} | ({"upstream": upstream_ref} if upstream_ref is not None else {}) | ({"features": features_ref} if features_ref is not None else {})
     fn = functools.partial(_run_trial, base=cfg.model_dump(mode="json"), stage=space.stage, refs=refs, ray_dir=str(exp_dir / "trials"))
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     if resume and tune.Tuner.can_restore(str(exp_dir / "tune")):

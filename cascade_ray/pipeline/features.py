@@ -1,0 +1,263 @@
+"""The frozen-feature cache: a stage trains on its frozen upstream's outputs, computed once.
+
+When nothing upstream of stage `i` trains and its inputs are not augmented, the upstream
+maps every training and validation sample to the same tensor in every epoch, every step
+and every Tune trial. With ``stages[i].freeze.cache_features`` (``auto`` by default) the
+driver computes those outputs once, in Ray tasks with the stage's own per-worker
+resources (one task per worker, each on a contiguous shard), puts them in the object
+store once, writes them as Parquet under ``{storage_path}/{name}/cache/<stage>/`` and
+hands the ref to the stage's workers (and to every trial of a sweep). The workers'
+:class:`~cascade_ray.models.cascade.CascadeModel` then starts at the stage's own
+adapter/module (``input_stage``); the frozen upstream weights stay in the model, so the
+frozen digests and the artifact are exactly what they are without the cache.
+
+The Parquet file is keyed by the upstream hand-off's fingerprint (every upstream config,
+the data and the seed) and the digest of the upstream weights that compute the features,
+so a retrained upstream never reads stale features. When the previous stage itself
+trained on cached features, the next cache is computed from those (one module instead of
+the whole chain).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+import torch
+
+from cascade_ray.config.checks import cache_refusals
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import ResourceError
+from cascade_ray.storage import StorageDir, UriPath
+
+CACHE_VERSION = 1
+CACHE_DIR = "cache"
+SPLITS = ("train", "val")
+EVAL_BATCH = 512
+OBJECT_STORE_SHARE = 0.5  # `auto` caches only features that fit in this share of the object store
+
+
+@dataclass(frozen=True)
+class FeatureCache:
+    """Stage `stage`'s inputs for every train/val sample, in the object store.
+
+    Attributes:
+        stage: the stage these features feed (its adapter/module comes next).
+        ref: object ref of ``{"x_train": float32 array, "x_val": float32 array}``.
+        key: what the features depend on (upstream fingerprint, weights, format version).
+        shape: one sample's feature shape.
+        path: the Parquet copy in storage.
+        status: ``computed`` or ``read`` (from the Parquet copy).
+        seconds: wall time to compute or read.
+    """
+
+    stage: str
+    ref: ray.ObjectRef
+    key: str
+    shape: tuple[int, ...]
+    path: StorageDir
+    status: str
+    seconds: float
+
+    def record(self) -> dict[str, Any]:
+        """The summary entry of this cache."""
+        return {"status": self.status, "shape": list(self.shape), "path": str(self.path), "seconds": round(self.seconds, 2)}
+
+
+def cache_decision(cfg: PipelineConfig, index: int) -> tuple[bool, str]:
+    """(cache wanted, why not) for stage `index` from its config alone (size is checked later)."""
+    stage = cfg.stages[index]
+    if stage.freeze.cache_features == "off":
+        return False, f"stages[{index}].freeze.cache_features is off"
+    refusals = cache_refusals(stage, index, f"stages[{index}]")
+    if refusals:  # `on` with a refusal never validates; this is `auto`
+        return False, refusals[0][0]
+    return True, ""
+
+
+def cache_key(upstream_fingerprint: str, upstream_state: dict[str, np.ndarray], module_names: list[str]) -> str:
+    """Hash of what the features are a function of: upstream configs/data/seed (its fingerprint)
+    and the weights of the upstream modules and adapters."""
+    from cascade_ray.stage.weights import state_digests
+
+    keys = [k for k in upstream_state if k.split(".")[0] in ("blocks", "adapters") and k.split(".")[1] in module_names]
+    blob = json.dumps({"upstream": upstream_fingerprint, "weights": state_digests(upstream_state, keys), "version": CACHE_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def prepare_feature_cache(
+    cfg: PipelineConfig, index: int, *, out: StorageDir, data_ref: ray.ObjectRef, sizes: dict[str, int], upstream: Any,
+    previous: FeatureCache | None, log: Callable[[str], None],
+) -> FeatureCache | None:
+    """The cached inputs of stage `index`, read from storage or computed; None when the cache is off.
+
+    Args:
+        cfg: the pipeline config.
+        index: the stage about to train.
+        out: the run folder (``{storage_path}/{name}``).
+        data_ref: the data splits in the object store.
+        sizes: samples per split (``{"train": n, "val": n}``).
+        upstream: the previous stage's :class:`~cascade_ray.pipeline.stages.Handoff`.
+        previous: the previous stage's own cache, when it trained on one (computed from it).
+        log: where the decision goes.
+
+    Raises:
+        ResourceError: ``cache_features: on`` and the features do not fit in the object store.
+    """
+    from cascade_ray.models.cascade import module_stage_names
+
+    stage = cfg.stages[index]
+    wanted, reason = cache_decision(cfg, index)
+    if not wanted:
+        if stage.freeze.cache_features == "auto" and index > 0:
+            log(f"  {stage.name}: feature cache off: {reason}")
+        return None
+    upstream_names = module_stage_names(cfg, index - 1)
+    key = cache_key(upstream.fingerprint, upstream.state, upstream_names)
+    path = out / CACHE_DIR / stage.name / f"{key[:16]}.parquet"
+    t0 = time.perf_counter()
+    arrays = _read_parquet(path, key, sizes, log, stage.name)
+    status = "read"
+    if arrays is None:
+        shape = _feature_shape(cfg, index, data_ref)
+        need = 4 * math.prod(shape) * sum(sizes.values())
+        capacity = ray.cluster_resources().get("object_store_memory", 0.0)
+        if need > OBJECT_STORE_SHARE * capacity:
+            message = f"the features of {stage.name!r} take {need / 2**30:.2f} GiB, more than half the object store ({capacity / 2**30:.2f} GiB)"
+            if stage.freeze.cache_features == "on":
+                raise ResourceError(f"stages[{index}].freeze.cache_features is on, but {message}. Set it to auto or off, or start Ray with a larger object store (ray start --object-store-memory).")
+            log(f"  {stage.name}: feature cache off: {message}")
+            return None
+        start = previous.stage if previous is not None and previous.stage in upstream_names else None
+        arrays = compute_features(cfg, index, data_ref, upstream.ref, previous.ref if start else None, start, sizes)
+        _write_parquet(path, key, arrays)
+        status = "computed"
+    shape = tuple(arrays["x_train"].shape[1:])
+    cache = FeatureCache(stage.name, ray.put(arrays), key, shape, path, status, time.perf_counter() - t0)
+    log(f"  {stage.name}: feature cache {status}: upstream outputs {'x'.join(map(str, shape))} for {sum(sizes.values())} samples in {cache.seconds:.1f} s ({path})")
+    return cache
+
+
+def _feature_shape(cfg: PipelineConfig, index: int, data_ref: ray.ObjectRef) -> tuple[int, ...]:
+    from cascade_ray.preflight import require_plans
+
+    small = ray.get(data_ref)  # zero-copy views; only shapes are read
+    x = small["x_train"]
+    plans = require_plans(cfg, tuple(x.shape[1:]), int(small["num_classes"]))
+    return tuple(next(p for p in plans if p.name == cfg.stages[index].name).in_shape)
+
+
+def compute_features(
+    cfg: PipelineConfig, index: int, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef, previous_ref: ray.ObjectRef | None, start: str | None, sizes: dict[str, int]
+) -> dict[str, np.ndarray]:
+    """Upstream outputs of every train/val sample, one Ray task per worker of stage `index`
+    (each with the stage's per-worker resources) over contiguous shards."""
+    from cascade_ray.pipeline.fit import worker_resources
+
+    stage = cfg.stages[index]
+    resources = worker_resources(stage)
+    options = {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0), "resources": {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}}
+    shards = stage.scaling.num_workers
+    bounds = {s: np.linspace(0, sizes[s], shards + 1).astype(int) for s in SPLITS}
+    raw = cfg.model_dump(mode="json")
+    tasks = [
+        _features_task.options(**options).remote(raw, index, [data_ref], [upstream_ref], [previous_ref] if previous_ref is not None else [], start, {s: (int(b[w]), int(b[w + 1])) for s, b in bounds.items()})
+        for w in range(shards)
+    ]
+    parts = ray.get(tasks)
+    return {f"x_{s}": np.concatenate([p[s] for p in parts]) for s in SPLITS}
+
+
+@ray.remote
+def _features_task(raw: dict[str, Any], index: int, data_ref: list, upstream_ref: list, previous_ref: list, start: str | None, ranges: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+    from cascade_ray.config.loader import validate_config
+    from cascade_ray.data import DataSplits
+    from cascade_ray.models.cascade import build_cascade
+    from cascade_ray.preflight import require_plans
+    from cascade_ray.stage.batches import ArraySource, eval_batches
+    from cascade_ray.stage.weights import load_numpy_state
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    torch.set_num_threads(max(1, int(cpus)))
+    cfg = validate_config(raw, source="feature cache", preflight=False)
+    data = DataSplits.from_arrays(ray.get(data_ref[0]))
+    plans = require_plans(cfg, data.image_shape, data.num_classes)
+    model = build_cascade(cfg, plans, data.num_classes, upto=index - 1)
+    state = ray.get(upstream_ref[0])
+    load_numpy_state(model, {k: v for k, v in state.items() if k in model.state_dict()})
+    device = torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
+    model.to(device).eval()
+    names = model.order[model.order.index(start) :] if start is not None else model.order
+    previous = ray.get(previous_ref[0]) if previous_ref else None
+    out = {}
+    for split, (lo, hi) in ranges.items():
+        if previous is not None:
+            source = ArraySource(previous[f"x_{split}"][lo:hi], getattr(data, f"y_{split}")[lo:hi], 0.0, 1.0, device)
+        else:
+            source = ArraySource(getattr(data, f"x_{split}")[lo:hi], getattr(data, f"y_{split}")[lo:hi], data.mean, data.std, device)
+        chunks = []
+        with torch.no_grad():
+            for batch in eval_batches(len(source), EVAL_BATCH, rank=0, world=1):
+                x, _ = source.batch(batch)
+                for name in names:
+                    x = model.run_block(name, x)
+                chunks.append(x.float().cpu().numpy())
+        out[split] = np.concatenate(chunks) if chunks else np.zeros((0, *plans[index - 1].out_shape), np.float32)
+    return out
+
+
+def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray]) -> None:
+    """One row per sample (``split``, flattened ``x``); shapes and the key in the schema metadata.
+    Local files are written to a temporary name and renamed into place."""
+    shape = arrays["x_train"].shape[1:]
+    width = math.prod(shape)
+    columns = {"split": [], "x": []}
+    for split in SPLITS:
+        x = np.ascontiguousarray(arrays[f"x_{split}"], dtype=np.float32).reshape(-1)
+        columns["split"].append(pa.array(np.full(len(x) // width if width else 0, split)))
+        columns["x"].append(pa.FixedSizeListArray.from_arrays(pa.array(x), width))
+    table = pa.table({"split": pa.concat_arrays(columns["split"]), "x": pa.concat_arrays(columns["x"])})
+    table = table.replace_schema_metadata({"cascade_ray.key": key, "cascade_ray.shape": json.dumps(list(shape)), "cascade_ray.version": str(CACHE_VERSION)})
+    if isinstance(path, UriPath):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as sink:
+            pq.write_table(table, sink)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    tmp.rename(path)
+
+
+def _read_parquet(path: StorageDir, key: str, sizes: dict[str, int], log: Callable[[str], None], stage: str) -> dict[str, np.ndarray] | None:
+    """The stored features when the file exists and matches the key and the split sizes; a
+    damaged or mismatched file is reported and recomputed (it is a cache, never the source)."""
+    if not path.exists():
+        return None
+    try:
+        with path.open("rb") as source:
+            table = pq.read_table(source)
+        meta = table.schema.metadata or {}
+        if meta.get(b"cascade_ray.key", b"").decode() != key:
+            raise ValueError("its key does not match the upstream")
+        shape = tuple(json.loads(meta[b"cascade_ray.shape"]))
+        splits = table.column("split").to_numpy(zero_copy_only=False)
+        flat = table.column("x").combine_chunks().flatten().to_numpy()
+        x = flat.reshape(len(splits), *shape)
+        arrays = {f"x_{s}": x[splits == s] for s in SPLITS}
+        counts = {s: len(arrays[f"x_{s}"]) for s in SPLITS}
+        if counts != sizes:
+            raise ValueError(f"it holds {counts} samples, the data has {sizes}")
+        return arrays
+    except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
+        log(f"  {stage}: stored feature cache {path} not used ({exc}); recomputing")
+        return None

@@ -1,0 +1,109 @@
+"""The frozen-feature cache on the debug cascade under Ray: computed once in Ray tasks, equal to
+the frozen upstream's outputs, keyed by the upstream, read back instead of recomputed, and
+turned off (with the reason logged) when the stage's inputs are not deterministic."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from cascade_ray.config import load_config
+from cascade_ray.data.source import load_data
+from cascade_ray.models.cascade import build_cascade
+from cascade_ray.pipeline.artifacts import read_artifact
+from cascade_ray.pipeline.driver import run_pipeline
+from cascade_ray.preflight import require_plans
+from cascade_ray.stage.batches import ArraySource
+from cascade_ray.stage.weights import load_numpy_state
+from paths import CONFIGS
+
+
+def _run(storage: Path, overrides: list[str] = (), **kwargs):
+    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}", *overrides])
+    lines: list[str] = []
+    summary = run_pipeline(cfg, log=lines.append, **kwargs)
+    return cfg, summary, lines
+
+
+@pytest.fixture(scope="module")
+def first(ray_session, tmp_path_factory):
+    """The debug pipeline with the default cache_features: auto (encoder and classifier cache)."""
+    storage = tmp_path_factory.mktemp("cache")
+    return (storage, *_run(storage))
+
+
+def _stage(summary, name):
+    return next(s for s in summary["stages"] if s["name"] == name)
+
+
+def _stored(record) -> tuple[np.ndarray, np.ndarray]:
+    table = pq.read_table(record["feature_cache"]["path"])
+    shape = record["feature_cache"]["shape"]
+    x = table.column("x").combine_chunks().flatten().to_numpy().reshape(-1, *shape)
+    split = table.column("split").to_numpy(zero_copy_only=False)
+    return x[split == "train"], x[split == "val"]
+
+
+def _recompute(cfg, upto: int, state, x_raw, data) -> np.ndarray:
+    """The frozen chain of stages[0..upto] on raw images, in-process, in one batch."""
+    model = build_cascade(cfg, require_plans(cfg, data.image_shape, data.num_classes), data.num_classes, upto=upto)
+    load_numpy_state(model, {k: v for k, v in state.items() if k in model.state_dict()})
+    model.eval()
+    x, _ = ArraySource(x_raw, np.zeros(len(x_raw), np.int64), data.mean, data.std, torch.device("cpu")).batch(torch.arange(len(x_raw)))
+    with torch.no_grad():
+        for name in model.order:
+            x = model.run_block(name, x)
+    return x.numpy()
+
+
+def test_downstream_stages_train_on_cached_features_equal_to_the_frozen_upstream(first):
+    _, cfg, summary, lines = first
+    data = load_data(cfg.data, cfg.seed)
+    for index, name in ((1, "encoder"), (2, "classifier")):
+        record = _stage(summary, name)
+        assert record["feature_cache"]["status"] == "computed", lines
+        x_train, x_val = _stored(record)
+        assert (len(x_train), len(x_val)) == (len(data.y_train), len(data.y_val))
+        # the classifier's cache was computed from the encoder's (one module), yet equals the whole chain
+        upstream = read_artifact(_stage(summary, cfg.stages[index - 1].name)["artifact"])[1]
+        expected = _recompute(cfg, index - 1, upstream, data.x_val, data)
+        np.testing.assert_allclose(x_val, expected, rtol=1e-4, atol=1e-5)
+    assert any("encoder: feature cache computed" in line for line in lines)
+    # the composed model (raw images through every stage) is what the test split measured
+    assert summary["test_accuracy"] > 0.8
+
+
+def test_a_retrained_stage_reads_the_stored_features_and_trains_bit_identically(first):
+    storage, _, summary, _ = first
+    before = _stage(summary, "encoder")
+    shutil.rmtree(before["artifact"])  # features reused (same weights -> same cache key), encoder retrains
+    _, again, lines = _run(storage, resume=True, stop_after="encoder")
+    record = _stage(again, "encoder")
+    assert _stage(again, "features")["status"] == "reused" and record["status"] == "trained"
+    assert record["feature_cache"]["status"] == "read", lines
+    assert record["digest"] == before["digest"]  # read cache == computed cache, to the bit
+
+
+def test_cache_off_trains_the_same_stage_through_the_upstream(first):
+    storage, _, summary, _ = first
+    cached = _stage(summary, "encoder")
+    shutil.rmtree(cached["artifact"])
+    _, plain, lines = _run(storage, ["stages.encoder.freeze.cache_features=off"], resume=True, stop_after="encoder")
+    record = _stage(plain, "encoder")
+    assert record["status"] == "trained" and "feature_cache" not in record
+    assert not any("encoder: feature cache" in line for line in lines)  # off by request: nothing to explain
+    # same data, batches and weights; only float rounding of batched vs per-step upstream passes differs
+    assert record["metrics"]["val_loss"] == pytest.approx(cached["metrics"]["val_loss"], rel=1e-3)
+    assert abs(record["metrics"]["val_accuracy"] - cached["metrics"]["val_accuracy"]) <= 2 / 288
+
+
+def test_auto_turns_the_cache_off_for_augmented_inputs_and_says_why(first):
+    storage = first[0]
+    _, summary, lines = _run(storage, ["stages.encoder.train.augment.hflip=true"], resume=True, stop_after="encoder")
+    assert "feature_cache" not in _stage(summary, "encoder")
+    assert any("encoder: feature cache off: stages[1].train.augment randomizes" in line for line in lines), lines
