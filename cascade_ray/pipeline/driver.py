@@ -22,10 +22,12 @@ from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import DataSplits
 from cascade_ray.data.source import load_data
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.logs import install_worker_filter, log_level, ray_logging_level
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.stages import Handoff, StageSession
 from cascade_ray.preflight import require_plans
+from cascade_ray.progress import ProgressSession
 from cascade_ray.report.outputs import write_run_outputs
 from cascade_ray.solver import step_count_issues
 from cascade_ray.stage.batches import ArraySource, eval_batches
@@ -79,12 +81,16 @@ def run_pipeline(
     if not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
         _check_embedded_resources(cfg)  # the embedded Ray will be this machine: fail before starting it
     started_ray = _init_ray(address)
+    progress = ProgressSession.start(show=log_level() != "warning")  # board + display; see progress.py
+    log = progress.wrap(log)
     try:
         cluster = cluster_view()
         for line in check_resources(cfg, cluster):
             log(line)
         check_shared_storage(out, hosts=cluster.hosts, may_add_nodes=cluster.may_add_nodes, log=log)
-        session = StageSession(cfg, out, ray.put(data.to_arrays()), data.fingerprint(), data.image_shape, data.num_classes, log)
+        session = StageSession(
+            cfg, out, ray.put(data.to_arrays()), data.fingerprint(), data.image_shape, data.num_classes, log, split_sizes={"train": len(data.y_train), "val": len(data.y_val)},
+        )
         upstream: Handoff | None = None
         records = []
         for index, stage in enumerate(cfg.stages):
@@ -98,6 +104,7 @@ def run_pipeline(
             if stage.name == stop_after:
                 return {"name": cfg.name, "stages": records, "storage": str(out)}
     finally:
+        progress.stop()
         if started_ray:
             ray.shutdown()
     assert upstream is not None
@@ -107,7 +114,7 @@ def run_pipeline(
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     with staged_dir(out) as local:  # the report writers use local paths; staged to s3:// / gs:// here
-        write_run_outputs(local, final_cfg, records, np.asarray(data.y_test), test["predictions"])
+        write_run_outputs(local, final_cfg, records, np.asarray(data.y_test), test["predictions"], log=log)
     log(format_table(summary))
     return summary
 
@@ -140,9 +147,10 @@ def _init_ray(address: str | None) -> bool:
             "pipelines/three_stage.py ...`), or give the GCS address (host:port, e.g. 127.0.0.1:6379)",
         )])
     if target:
-        ray.init(address=target, log_to_driver=True, runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}})
+        ray.init(address=target, log_to_driver=True, logging_level=ray_logging_level(), runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}})
     else:
-        ray.init(runtime_env={"env_vars": env})
+        ray.init(logging_level=ray_logging_level(), runtime_env={"env_vars": env})
+    install_worker_filter()  # --log-level: Ray's own chatter out of the way, errors kept
     return True
 
 

@@ -17,6 +17,8 @@ from ray.train.torch import TorchTrainer
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
+from cascade_ray.logs import train_logging_config
+from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
 from cascade_ray.storage import StorageDir
 
@@ -181,11 +183,13 @@ def check_resources(cfg: PipelineConfig, cluster: Cluster | None = None) -> list
 
 
 def fit_stage(
-    cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: StorageDir, run_name: str, callbacks: list[Any] | None = None
+    cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: StorageDir, run_name: str, callbacks: list[Any] | None = None,
+    features_ref: ray.ObjectRef | None = None,
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job and return its Result.
 
-    ``callbacks`` go to ``RunConfig`` (Tune trials pass ``TuneReportCallback``).
+    ``callbacks`` go to ``RunConfig`` (Tune trials pass ``TuneReportCallback``); ``features_ref``
+    holds the stage's cached upstream outputs (:mod:`cascade_ray.pipeline.features`).
 
     Raises:
         CascadeError: a worker raised one (re-raised as is, with its message).
@@ -202,7 +206,9 @@ def fit_stage(
             # refs inside lists: the worker ray.get()s them itself
             "data_ref": [data_ref],
             "upstream_ref": [upstream_ref] if upstream_ref is not None else [],
+            "features_ref": [features_ref] if features_ref is not None else [],
             "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
+            **observer_config(cfg, index, ray_dir.parent),  # progress board, log level, --profile trace path
         },
         # backend: Ray Train picks NCCL when workers have GPUs, gloo otherwise (TorchConfig(backend=None))
         scaling_config=ray.train.ScalingConfig(
@@ -214,6 +220,7 @@ def fit_stage(
             name=run_name,
             storage_path=str(ray_dir),
             callbacks=callbacks,
+            logging_config=train_logging_config(),  # Ray Train's own INFO lines only with --log-level debug
             # a crashed worker restarts the group from the latest checkpoint (trainer state included)
             failure_config=ray.train.FailureConfig(max_failures=stage.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(

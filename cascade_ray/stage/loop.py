@@ -93,7 +93,7 @@ def _load_upstream(model: nn.Module, upstream: Mapping[str, np.ndarray]) -> tupl
 
 def run_stage(
     cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, reporter: Reporter, device: torch.device,
-    wrap=None, hooks: LoopHooks | None = None, resume: Mapping[str, Any] | None = None,
+    wrap=None, hooks: LoopHooks | None = None, resume: Mapping[str, Any] | None = None, features: Mapping[str, np.ndarray] | None = None,
 ) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
@@ -108,6 +108,9 @@ def run_stage(
         hooks: optional callbacks for tools and failure simulations (:mod:`cascade_ray.health.hooks`).
         resume: ``{"model": numpy state, "trainer": trainer_state}`` of the last checkpoint when
             a restarted worker group continues the stage (:mod:`cascade_ray.stage.resume`).
+        features: ``{"x_train", "x_val"}``: the frozen upstream's outputs for every sample
+            (:mod:`cascade_ray.pipeline.features`); the model then starts at this stage's own
+            adapter/module and the upstream is not run.
 
     Raises:
         ConfigError: a schedule length or the precision does not fit this run.
@@ -133,11 +136,10 @@ def run_stage(
     precision = build_precision(solver, device, f"{path}.solver", hooks.make_scaler)
     net = wrap(model) if wrap is not None else model
     monitor = HealthMonitor(stage, index, named, optimizer, scheduler, precision, model, plan, reporter.rank, reporter.all_sum)
-    state = LoopState(stage, index, model, net, plan, named, optimizer, scheduler, precision, monitor)
+    state = LoopState(stage, index, model, net, plan, named, optimizer, scheduler, precision, monitor, rank=reporter.rank, world=reporter.world, total_steps=total_steps)
     hooks.on_setup(state)
 
-    train_src = ArraySource(data.x_train, data.y_train, data.mean, data.std, device)
-    val_src = ArraySource(data.x_val, data.y_val, data.mean, data.std, device)
+    train_src, val_src = _sources(model, stage.name, data, features, device)
     heads = module_stage_names(cfg, index) if stage.type == "joint" else [stage.name]
     weights = stage.loss.weights or {}
     scales = {n: weights.get(n, cfg.stages[cfg.stage_index(n)].loss.scale) for n in heads}
@@ -156,6 +158,7 @@ def run_stage(
         monitor.start_epoch(step)
         state.epoch = epoch
         started, seen, epoch_steps, loss_sum = time.perf_counter(), 0, 0, torch.zeros(len(heads) + 1, device=device)
+        step_rows, logged = [], (0, 0.0)  # rank 0's per-step rows of this epoch; (samples, loss sum) at the last row
         batches = list(train_batches(len(train_src), train.batch_size, rank=reporter.rank, world=reporter.world, seed=stage_seed(cfg, index), epoch=epoch))
         for batch, window, last in accumulation_windows(batches, solver.accumulation_steps):
             x, y = train_src.batch(batch)
@@ -186,13 +189,23 @@ def run_stage(
             monitor.after_step(step, skipped, loss_sum)
             hooks.after_optimizer_step(state)
             if reporter.rank == 0 and step % train.log_interval == 0:
-                rate = epoch_steps / (time.perf_counter() - started)  # optimizer steps/s this epoch
-                eta = (total_steps - step) / rate if rate > 0 else math.nan
-                print(
-                    f"[{stage.name}] epoch {epoch + 1}/{train.epochs} step {step}/{total_steps} loss {loss.item():.4f} "
-                    f"lr {scheduler.get_last_lr()[0]:.3g} {seen * reporter.world / (time.perf_counter() - started):.0f} samples/s ETA {eta:.0f} s",
-                    flush=True,
-                )
+                elapsed = time.perf_counter() - started
+                loss_total = loss_sum[0].item()  # the one device sync of a logged step
+                state.row = {
+                    "kind": "step", "epoch": epoch + 1, "step": step, "train_loss": (loss_total - logged[1]) / max(seen - logged[0], 1),  # mean since the last row
+                    "lr": scheduler.get_last_lr()[0], **monitor.step_metrics(step), "samples_per_s": seen * reporter.world / elapsed,
+                }
+                step_rows.append(state.row)
+                logged = (seen, loss_total)
+                if hooks.on_log is not None:
+                    hooks.on_log(state)
+                else:
+                    eta = (total_steps - step) * elapsed / epoch_steps  # at this epoch's optimizer-step rate
+                    print(
+                        f"[{stage.name}] epoch {epoch + 1}/{train.epochs} step {step}/{total_steps} loss {state.row['train_loss']:.4f} "
+                        f"lr {state.row['lr']:.3g} {state.row['samples_per_s']:.0f} samples/s ETA {eta:.0f} s",
+                        flush=True,
+                    )
             if train.max_steps is not None and step >= train.max_steps:
                 stop = True
                 break
@@ -204,7 +217,9 @@ def run_stage(
             metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(heads)}
         metrics |= evaluate(model, val_src, heads[-1], stage, reporter, prefix="val_")
         metrics |= monitor.epoch_metrics()
-        history.append(metrics)
+        # the reported metrics stay flat; the history (summary, artifact manifest, resume state) also
+        # carries this epoch's per-step rows, so they survive a reused stage (--resume)
+        history.append(metrics | {"steps": step_rows} if step_rows else metrics)
         resumable = trainer_state(optimizer, scheduler, precision, stopper, epochs_done=epoch + 1, step=step, skipped=monitor.skipped, history=history)
         reporter.report(metrics, model.state_dict() if reporter.rank == 0 else None, resumable if reporter.rank == 0 else None)
         if scheduler.step_epoch(metrics) and reporter.rank == 0:
@@ -217,6 +232,18 @@ def run_stage(
             break
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return StageOutcome(trainable, sum(p.numel() for p in model.parameters()) - trainable, digest, step, reporter.world, history, monitor.warning_count, monitor.skipped)
+
+
+def _sources(model: CascadeModel, stage: str, data: DataSplits, features: Mapping[str, np.ndarray] | None, device: torch.device) -> tuple[ArraySource, ArraySource]:
+    """Train and validation batches: raw images, or the cached upstream features of each sample
+    (then `model` starts at `stage`)."""
+    if features is None:
+        return ArraySource(data.x_train, data.y_train, data.mean, data.std, device), ArraySource(data.x_val, data.y_val, data.mean, data.std, device)
+    for split, labels in (("train", data.y_train), ("val", data.y_val)):
+        if len(features[f"x_{split}"]) != len(labels):
+            raise RuntimeError(f"stage {stage!r}: the feature cache holds {len(features[f'x_{split}'])} {split} samples, the data {len(labels)}")
+    model.input_stage = stage
+    return ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device), ArraySource(features["x_val"], data.y_val, 0.0, 1.0, device)
 
 
 def _check_step_counts(stage: StageConfig, index: int, n_train: int, reporter: Reporter) -> None:

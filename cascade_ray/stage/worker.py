@@ -25,8 +25,9 @@ from cascade_ray.config.loader import validate_config
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.errors import ResourceError
-from cascade_ray.health import LoopHooks
+from cascade_ray.health import LoopHooks, chain_hooks
 from cascade_ray.stage.loop import run_stage
+from cascade_ray.stage.observe import observer_hooks
 from cascade_ray.stage.resume import TRAINER_STATE
 from cascade_ray.stage.weights import load_safetensors, save_safetensors
 
@@ -113,11 +114,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     (data_ref,) = loop_config["data_ref"]
     data = DataSplits.from_arrays(ray.get(data_ref))
     upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
+    features = ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None  # cached upstream outputs
     device = ray.train.torch.get_device()
     reporter = RayReporter(device)
     wrap = _ddp_wrapper(cfg.stages[index], device) if reporter.world > 1 else None
     hooks = LoopHooks(after_optimizer_step=FaultInjection(loop_config.get("fault_once", ""), cfg.stages[index].name, reporter.rank))
-    outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=wrap, hooks=hooks, resume=read_resume_state())
+    observe, finish_observing = observer_hooks(loop_config, cfg, index, reporter.rank, reporter.world, device)  # progress board, --profile
+    try:
+        outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=wrap, hooks=chain_hooks(hooks, observe), resume=read_resume_state(), features=features)
+    finally:
+        finish_observing()
     return dataclasses.asdict(outcome) if reporter.rank == 0 else None
 
 
