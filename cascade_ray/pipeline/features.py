@@ -181,29 +181,54 @@ def compute_features(
 def _features_task(raw: dict[str, Any], index: int, data_ref: list, upstream_ref: list, previous_ref: list, start: str | None, ranges: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
     from cascade_ray.config.loader import validate_config
     from cascade_ray.data import DataSplits
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    torch.set_num_threads(max(1, int(cpus)))
+    cfg = validate_config(raw, source="feature cache", preflight=False)
+    device = torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
+    previous = ray.get(previous_ref[0]) if previous_ref else None
+    return upstream_outputs(cfg, index, DataSplits.from_arrays(ray.get(data_ref[0])), ray.get(upstream_ref[0]), previous=previous, start=start, ranges=ranges, device=device)
+
+
+def upstream_outputs(
+    cfg: PipelineConfig, index: int, data: Any, upstream_state: dict[str, np.ndarray], *, previous: dict[str, np.ndarray] | None = None, start: str | None = None,
+    ranges: dict[str, tuple[int, int]] | None = None, device: torch.device | None = None,
+) -> dict[str, np.ndarray]:
+    """The frozen stages before `index` applied (eval mode, no grad) to each split's samples.
+
+    Args:
+        cfg: the pipeline config.
+        index: the stage the outputs feed.
+        data: the :class:`~cascade_ray.data.DataSplits`.
+        upstream_state: numpy state dict holding every upstream stage's weights.
+        previous: the previous stage's cached inputs (``{"x_train", "x_val"}``); with `start`,
+            only the modules from `start` on are applied to them.
+        start: the first stage module to apply (None: from the raw images).
+        ranges: ``{split: (lo, hi)}`` sample ranges (default: every train and val sample).
+        device: where to compute (default CPU).
+
+    Returns:
+        ``{split: float32 array}`` for each split of `ranges`.
+    """
     from cascade_ray.models.cascade import build_cascade
     from cascade_ray.preflight import require_plans
     from cascade_ray.stage.batches import ArraySource, eval_batches
     from cascade_ray.stage.weights import load_numpy_state
 
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    torch.set_num_threads(max(1, int(cpus)))
-    cfg = validate_config(raw, source="feature cache", preflight=False)
-    data = DataSplits.from_arrays(ray.get(data_ref[0]))
+    device = device or torch.device("cpu")
+    ranges = ranges or {s: (0, len(getattr(data, f"y_{s}"))) for s in SPLITS}
     plans = require_plans(cfg, data.image_shape, data.num_classes)
     model = build_cascade(cfg, plans, data.num_classes, upto=index - 1)
-    state = ray.get(upstream_ref[0])
-    load_numpy_state(model, {k: v for k, v in state.items() if k in model.state_dict()})
-    device = torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
+    load_numpy_state(model, {k: v for k, v in upstream_state.items() if k in model.state_dict()})
     model.to(device).eval()
     names = model.order[model.order.index(start) :] if start is not None else model.order
-    previous = ray.get(previous_ref[0]) if previous_ref else None
     out = {}
     for split, (lo, hi) in ranges.items():
-        if previous is not None:
-            source = ArraySource(previous[f"x_{split}"][lo:hi], getattr(data, f"y_{split}")[lo:hi], 0.0, 1.0, device)
+        labels = getattr(data, f"y_{split}")[lo:hi]
+        if previous is not None and start is not None:
+            source = ArraySource(previous[f"x_{split}"][lo:hi], labels, 0.0, 1.0, device)
         else:
-            source = ArraySource(getattr(data, f"x_{split}")[lo:hi], getattr(data, f"y_{split}")[lo:hi], data.mean, data.std, device)
+            source = ArraySource(getattr(data, f"x_{split}")[lo:hi], labels, data.mean, data.std, device)
         chunks = []
         with torch.no_grad():
             for batch in eval_batches(len(source), EVAL_BATCH, rank=0, world=1):
@@ -211,7 +236,7 @@ def _features_task(raw: dict[str, Any], index: int, data_ref: list, upstream_ref
                 for name in names:
                     x = model.run_block(name, x)
                 chunks.append(x.float().cpu().numpy())
-        out[split] = np.concatenate(chunks) if chunks else np.zeros((0, *plans[index - 1].out_shape), np.float32)
+        out[split] = np.concatenate(chunks) if chunks else np.zeros((0, *next(p for p in plans if p.name == names[-1]).out_shape), np.float32)
     return out
 
 

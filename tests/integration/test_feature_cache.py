@@ -10,16 +10,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from cascade_ray.config import load_config
 from cascade_ray.data.source import load_data
-from cascade_ray.models.cascade import build_cascade
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.driver import run_pipeline
-from cascade_ray.preflight import require_plans
-from cascade_ray.stage.batches import ArraySource
-from cascade_ray.stage.weights import load_numpy_state
+from cascade_ray.pipeline.features import upstream_outputs
 from paths import CONFIGS
 
 
@@ -49,18 +45,6 @@ def _stored(record) -> tuple[np.ndarray, np.ndarray]:
     return x[split == "train"], x[split == "val"]
 
 
-def _recompute(cfg, upto: int, state, x_raw, data) -> np.ndarray:
-    """The frozen chain of stages[0..upto] on raw images, in-process, in one batch."""
-    model = build_cascade(cfg, require_plans(cfg, data.image_shape, data.num_classes), data.num_classes, upto=upto)
-    load_numpy_state(model, {k: v for k, v in state.items() if k in model.state_dict()})
-    model.eval()
-    x, _ = ArraySource(x_raw, np.zeros(len(x_raw), np.int64), data.mean, data.std, torch.device("cpu")).batch(torch.arange(len(x_raw)))
-    with torch.no_grad():
-        for name in model.order:
-            x = model.run_block(name, x)
-    return x.numpy()
-
-
 def test_downstream_stages_train_on_cached_features_equal_to_the_frozen_upstream(first):
     _, cfg, summary, lines = first
     data = load_data(cfg.data, cfg.seed)
@@ -71,8 +55,9 @@ def test_downstream_stages_train_on_cached_features_equal_to_the_frozen_upstream
         assert (len(x_train), len(x_val)) == (len(data.y_train), len(data.y_val))
         # the classifier's cache was computed from the encoder's (one module), yet equals the whole chain
         upstream = read_artifact(_stage(summary, cfg.stages[index - 1].name)["artifact"])[1]
-        expected = _recompute(cfg, index - 1, upstream, data.x_val, data)
-        np.testing.assert_allclose(x_val, expected, rtol=1e-4, atol=1e-5)
+        expected = upstream_outputs(cfg, index, data, upstream)  # in-process, the whole chain from raw images
+        np.testing.assert_allclose(x_train, expected["train"], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(x_val, expected["val"], rtol=1e-4, atol=1e-5)
     assert any("encoder: feature cache computed" in line for line in lines)
     # the composed model (raw images through every stage) is what the test split measured
     assert summary["test_accuracy"] > 0.8

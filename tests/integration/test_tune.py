@@ -58,6 +58,9 @@ def test_every_trial_read_the_same_upstream_object(sweep):
     assert len(inputs) == 4
     assert len({i["upstream"] for i in inputs}) == 1 and inputs[0]["upstream"]
     assert len({i["data"] for i in inputs}) == 1
+    # the encoder trains on cached upstream features: computed once, one object for every trial
+    assert len({i["features"] for i in inputs}) == 1 and inputs[0]["features"]
+    assert summary["stages"][1]["feature_cache"]["status"] in ("computed", "read")
 
 
 def test_best_override_reproduces_the_best_trial(sweep):
