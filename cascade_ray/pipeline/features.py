@@ -3,8 +3,9 @@
 When nothing upstream of stage `i` trains and its inputs are not augmented, the upstream
 maps every training and validation sample to the same tensor in every epoch, every step
 and every Tune trial. With ``stages[i].freeze.cache_features`` (``auto`` by default) the
-driver computes those outputs once, in Ray tasks with the stage's own per-worker
-resources (one task per worker, each on a contiguous shard), puts them in the object
+driver computes those outputs once (in Ray tasks with the stage's own per-worker resources,
+one task per worker, each on a contiguous shard; on a single-node CPU cluster in the
+driver itself), puts them in the object
 store once, writes them as Parquet under ``{storage_path}/{name}/cache/<stage>/`` and
 hands the ref to the stage's workers (and to every trial of a sweep). The workers'
 :class:`~cascade_ray.models.cascade.CascadeModel` then starts at the stage's own
@@ -157,14 +158,28 @@ def _feature_shape(cfg: PipelineConfig, index: int, data_ref: ray.ObjectRef) -> 
 
 
 def compute_features(
-    cfg: PipelineConfig, index: int, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef, previous_ref: ray.ObjectRef | None, start: str | None, sizes: dict[str, int]
+    cfg: PipelineConfig, index: int, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef, previous_ref: ray.ObjectRef | None, start: str | None, sizes: dict[str, int],
+    *, where: str = "auto",
 ) -> dict[str, np.ndarray]:
-    """Upstream outputs of every train/val sample, one Ray task per worker of stage `index`
-    (each with the stage's per-worker resources) over contiguous shards."""
+    """Upstream outputs of every train/val sample.
+
+    On a GPU stage or a multi-node cluster: one Ray task per worker of stage `index` (each
+    with the stage's per-worker resources) over contiguous shards. On a single-node CPU
+    cluster the driver computes them itself, on all its cores: the node is idle between
+    stages, and a task would first spend seconds starting a Python process and importing
+    torch. `where` (``tasks`` or ``driver``) overrides that choice.
+    """
+    from cascade_ray.data import DataSplits
     from cascade_ray.pipeline.fit import worker_resources
 
     stage = cfg.stages[index]
     resources = worker_resources(stage)
+    if where == "auto":
+        where = "driver" if not resources.get("GPU") and sum(1 for n in ray.nodes() if n.get("Alive")) == 1 else "tasks"
+    if where == "driver":
+        previous = ray.get(previous_ref) if previous_ref is not None else None
+        parts = upstream_outputs(cfg, index, DataSplits.from_arrays(ray.get(data_ref)), ray.get(upstream_ref), previous=previous, start=start)
+        return {f"x_{s}": parts[s] for s in SPLITS}
     options = {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0), "resources": {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}}
     shards = stage.scaling.num_workers
     bounds = {s: np.linspace(0, sizes[s], shards + 1).astype(int) for s in SPLITS}

@@ -15,7 +15,7 @@ from cascade_ray.config import load_config
 from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.driver import run_pipeline
-from cascade_ray.pipeline.features import upstream_outputs
+from cascade_ray.pipeline.features import compute_features, upstream_outputs
 from paths import CONFIGS
 
 
@@ -61,6 +61,20 @@ def test_downstream_stages_train_on_cached_features_equal_to_the_frozen_upstream
     assert any("encoder: feature cache computed" in line for line in lines)
     # the composed model (raw images through every stage) is what the test split measured
     assert summary["test_accuracy"] > 0.8
+
+
+def test_ray_tasks_compute_the_same_features_in_one_shard_per_worker(first, ray_session):
+    _, cfg, summary, _ = first
+    data = load_data(cfg.data, cfg.seed)
+    upstream = read_artifact(_stage(summary, "features")["artifact"])[1]
+    sizes = {"train": len(data.y_train), "val": len(data.y_val)}
+    refs = [ray_session.put(data.to_arrays()), ray_session.put(upstream)]
+    # the encoder has 2 workers: two tasks, each with the stage's per-worker resources (on one node
+    # the pipeline computes in the driver; multi-node and GPU clusters use these tasks)
+    shards = compute_features(cfg, 1, *refs, None, None, sizes, where="tasks")
+    expected = upstream_outputs(cfg, 1, data, upstream)
+    for split in ("train", "val"):
+        np.testing.assert_allclose(shards[f"x_{split}"], expected[split], rtol=1e-4, atol=1e-5)
 
 
 def test_a_retrained_stage_reads_the_stored_features_and_trains_bit_identically(first):
