@@ -33,21 +33,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ListReporter  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ("nonfinite", "grad_flow", "stall", "clip_saturation", "scale_collapse", "lr_drift", "frozen_drift")
-
-
-class _Reporter:
-    rank, world = 0, 1
-
-    def __init__(self):
-        self.reports = []
-
-    def all_sum(self, values):
-        return list(values)
-
-    def report(self, metrics, state, trainer=None):
-        self.reports.append(metrics)
 
 
 class _MonitorClock:
@@ -94,7 +84,7 @@ def _run(config: Path, index: int, overrides: list[str], data, upstream) -> tupl
     hooks = LoopHooks(after_optimizer_step=lambda s: marks.append((s.epoch, time.process_time())))
     started = time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):
-        run_stage(cfg, index, data, upstream, _Reporter(), torch.device("cpu"), hooks=hooks)
+        run_stage(cfg, index, data, upstream, ListReporter(), torch.device("cpu"), hooks=hooks)
     stage_s = time.process_time() - started
     # step to step within an epoch: every per-step and per-measurement cost, no evaluation
     gaps = [b - a for (ea, a), (eb, b) in zip(marks, marks[1:]) if ea == eb]

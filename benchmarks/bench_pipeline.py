@@ -1,6 +1,6 @@
 """P2 pipeline overhead: ``run_pipeline`` wall time vs plain TorchTrainer jobs chained through directories.
 
-    /work/venv/bin/python benchmarks/bench_pipeline.py [--repeats 2] [--config pipelines/configs/debug.yaml]
+    /work/venv/bin/python benchmarks/bench_pipeline.py [--repeats 2] [--config pipelines/configs/debug.yaml] [--feature-cache off|auto]
 
 Both run in one embedded Ray session, started once with ``ray.init(num_cpus=2)`` and
 cascade-ray's Ray env knobs (``cascade_ray.constants``: 0.1 s Train report polling, no
@@ -20,7 +20,9 @@ same Ray tuning; ``RAY_ADDRESS`` is unset first (never another engineer's cluste
 Timed: wall time of the whole call (config already loaded, Ray already up). One untimed
 no-op TorchTrainer fit warms the session first; then the runs alternate (candidate,
 baseline, baseline, candidate, ...), each in a fresh storage folder, and medians are
-reported. A per-stage breakdown says where the time goes. Prints
+reported. ``--feature-cache`` sets every later stage's ``freeze.cache_features`` for the
+candidate (default ``off``: the target is stated without the cache; ``auto`` is the
+shipped default). A per-stage breakdown says where the time goes. Prints
 ``figure: value (ratio vs baseline)``.
 """
 
@@ -92,7 +94,7 @@ def _phases(fits: list[tuple[float, float]], log_path: Path) -> list[dict[str, f
     return out
 
 
-def run_candidate(config: Path, storage: Path) -> dict:
+def run_candidate(config: Path, storage: Path, overrides: list[str] = ()) -> dict:
     """run_pipeline, with each stage's fit timed (wrappers around the names it calls)."""
     import cascade_ray.pipeline.fit as fit_mod
     import cascade_ray.pipeline.stages as stages_mod
@@ -110,7 +112,7 @@ def run_candidate(config: Path, storage: Path) -> dict:
         finally:
             fits.append((t0, time.time()))
 
-    cfg = load_config(config, [f"storage_path={storage}"])
+    cfg = load_config(config, [f"storage_path={storage}", *overrides])
     stages_mod.fit_stage, fit_mod.train_loop_per_worker = timed_fit, timed_loop(original_loop, str(log_path))
     try:
         t0 = time.perf_counter()
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each (alternating)")
+    parser.add_argument("--feature-cache", choices=["auto", "on", "off"], default="off", help="freeze.cache_features of every stage after the first (default off: the P2 target)")
     args = parser.parse_args(argv)
 
     os.environ.pop("RAY_ADDRESS", None)
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from cascade_ray.constants import apply_ray_env_defaults
 
     cfg = load_config(args.config)
+    cache = [f"stages[{i}].freeze.cache_features={args.feature_cache}" for i in range(1, len(cfg.stages))]
     root = Path(tempfile.mkdtemp(prefix="bench-pipeline-")).resolve()
     env = apply_ray_env_defaults()
     t0 = time.perf_counter()
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = ", ".join(f"{s.name} {s.model.type} {s.train.epochs} ep x {s.scaling.num_workers} worker(s)" for s in cfg.stages)
         print(f"bench_pipeline: {args.config.name} ({plan}); ray {ray.__version__}, ray.init(num_cpus=2) once ({init_s:.1f} s, not timed), "
-              f"env {env}; {args.repeats} runs each, alternating, medians", flush=True)
+              f"env {env}; cascade-ray feature cache {args.feature_cache}; {args.repeats} runs each, alternating, medians", flush=True)
         t0 = time.perf_counter()
         _warm_up()
         print(f"  warm-up no-op fit (not timed): {time.perf_counter() - t0:.1f} s", flush=True)
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in order:
                 storage = root / f"{rep}-{kind}"
                 storage.mkdir()
-                r = (run_candidate if kind == "candidate" else run_baseline)(args.config, storage)
+                r = run_candidate(args.config, storage, cache) if kind == "candidate" else run_baseline(args.config, storage)
                 runs[kind].append(r)
                 print(f"  repeat {rep + 1} {kind}: {r['wall']:.1f} s (stages {', '.join(f'{s:.1f}' for s in r['stages'])}; "
                       f"test accuracy {r['accuracy']:.3f})", flush=True)
@@ -199,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  outside the stages (data, checks, put; test evaluation, summary, reports): run_pipeline {statistics.median(outside):.2f} s, "
               f"plain chain {statistics.median(b_outside):.2f} s")
         ratio = cand / base
-        print(f"P2 target: run_pipeline wall time <= 1.0 x plain chain: {ratio:.3f} -> {'met' if ratio <= 1.0 else 'NOT met'}")
+        if args.feature_cache == "off":
+            print(f"P2 target: run_pipeline wall time <= 1.0 x plain chain: {ratio:.3f} -> {'met' if ratio <= 1.0 else 'NOT met'}")
+        else:
+            print(f"P2 with the feature cache {args.feature_cache}: run_pipeline / plain chain wall time {ratio:.3f} (the target is stated without the cache)")
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)

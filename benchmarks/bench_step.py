@@ -46,24 +46,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ListReporter  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "pipelines" / "configs" / "three_stage.yaml"
 INDEX = 0  # the benchmarked stage: features (trained from scratch, no upstream)
-
-
-class _Reporter:
-    """Minimal single-rank Reporter (a copy of the idea of tests/support/fakes.ListReporter)."""
-
-    rank, world = 0, 1
-
-    def __init__(self) -> None:
-        self.reports: list[dict] = []
-
-    def all_sum(self, values):
-        return list(values)
-
-    def report(self, metrics, state, trainer=None):
-        self.reports.append(dict(metrics))
 
 
 @dataclass
@@ -105,7 +93,7 @@ def run_candidate(cfg, data) -> _Clock:
         i = counts[state.epoch] = counts.get(state.epoch, -1) + 1
         clock.mark(state.epoch, sizes[i])
 
-    reporter = _Reporter()
+    reporter = ListReporter()
     w0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines still get formatted
         outcome = run_stage(cfg, INDEX, data, None, reporter, torch.device("cpu"), hooks=LoopHooks(after_optimizer_step=after_step))
