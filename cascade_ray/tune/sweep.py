@@ -126,6 +126,26 @@ def baseline_asha(baseline: dict[str, Any] | None, **kwargs: Any) -> Any:
     return BaselineASHA(**kwargs)
 
 
+def search_algorithm(space: TuneSpace, current: dict[str, Any] | None, concurrency: int, space_file: str, seed: int = 0) -> tuple[Any, int | None]:
+    """(search algorithm, TuneConfig.max_concurrent_trials) for `space`.
+
+    Random and grid search are a ``BasicVariantGenerator`` seeded with the pipeline seed (the
+    same config samples the same trials), the current values first when given. It holds the
+    concurrency limit itself: Tune ignores ``max_concurrent_trials`` for a generator passed in
+    (it only logs a warning).
+    """
+    if space.search == "optuna":
+        try:
+            from ray.tune.search.optuna import OptunaSearch
+        except ImportError:
+            raise ConfigError([ConfigIssue("search", "optuna is not installed", "pip install optuna, or use search: random")], space_file) from None
+        return OptunaSearch(), concurrency
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    points = [current] if current is not None else None
+    return BasicVariantGenerator(points_to_evaluate=points, max_concurrent=concurrency, random_state=seed), None
+
+
 def build_tuner(
     cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, exp_dir: Path, resume: bool,
     features_ref: ray.ObjectRef | None = None,
@@ -144,23 +164,13 @@ def build_tuner(
         scheduler = baseline_asha(
             current, time_attr="epoch", max_t=space.scheduler.max_t or stage.train.epochs, grace_period=space.scheduler.grace_period, reduction_factor=space.scheduler.reduction_factor
         )
-    search_alg = None
-    if current is not None:
-        from ray.tune.search.basic_variant import BasicVariantGenerator
-
-        search_alg = BasicVariantGenerator(points_to_evaluate=[current])
-    if space.search == "optuna":
-        try:
-            from ray.tune.search.optuna import OptunaSearch
-        except ImportError:
-            raise ConfigError([ConfigIssue("search", "optuna is not installed", "pip install optuna, or use search: random")], space_file) from None
-        search_alg = OptunaSearch()
+    search_alg, concurrent_trials = search_algorithm(space, current, max_concurrent(cfg, space, space_file), space_file, seed=cfg.seed)
     return tune.Tuner(
         trainable,
         param_space=param_space(space),
         tune_config=tune.TuneConfig(
             metric=space.metric, mode=space.mode, num_samples=space.num_samples, scheduler=scheduler, search_alg=search_alg,
-            max_concurrent_trials=max_concurrent(cfg, space, space_file),
+            max_concurrent_trials=concurrent_trials,
         ),
         run_config=tune.RunConfig(name="tune", storage_path=str(exp_dir), verbose=0),
     )

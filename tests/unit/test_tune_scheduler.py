@@ -1,4 +1,4 @@
-"""The sweep's ASHA never stops the trial that runs the stage's current values."""
+"""The sweep's scheduler and search: ASHA never stops the current-values trial; the concurrency limit holds."""
 
 from __future__ import annotations
 
@@ -46,3 +46,31 @@ def test_without_a_baseline_it_is_plain_asha():
     trials = [FakeTrial(f"t{i}", dict(BASELINE)) for i in range(4)]
     actions = _epoch_one(scheduler, trials, [0.9, 0.91, 0.92, 0.5])
     assert actions[3] == TrialScheduler.STOP
+
+
+def test_the_current_values_generator_keeps_the_concurrency_limit():
+    from cascade_ray.tune.space import TuneSpace
+    from cascade_ray.tune.sweep import search_algorithm
+
+    space = TuneSpace.model_validate({"stage": "encoder", "space": {"solver.lr": {"loguniform": [1e-4, 1e-2]}}})
+    generator, limit = search_algorithm(space, {"solver.lr": 1e-3}, 3, "space.yaml")
+    # Tune ignores TuneConfig.max_concurrent_trials for a generator passed in: it must hold it
+    assert limit is None and generator.max_concurrent == 3 and generator._points_to_evaluate == [{"solver.lr": 1e-3}]
+    plain, limit = search_algorithm(space, None, 3, "space.yaml")
+    assert limit is None and plain.max_concurrent == 3 and not plain._points_to_evaluate
+
+
+def test_random_search_is_seeded_by_the_pipeline_seed():
+    from ray.tune import Experiment, loguniform
+
+    from cascade_ray.tune.space import TuneSpace
+    from cascade_ray.tune.sweep import search_algorithm
+
+    space = TuneSpace.model_validate({"stage": "encoder", "space": {"solver.lr": {"loguniform": [1e-4, 1e-2]}}})
+
+    def samples(seed):
+        generator, _ = search_algorithm(space, None, 3, "space.yaml", seed=seed)
+        generator.add_configurations(Experiment("seeded", lambda config: None, config={"solver.lr": loguniform(1e-4, 1e-2)}, num_samples=3))
+        return [generator.next_trial().config["solver.lr"] for _ in range(3)]
+
+    assert samples(0) == samples(0) != samples(1)
