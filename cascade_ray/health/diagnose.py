@@ -103,6 +103,41 @@ def _update_table(named: list[tuple[str, torch.nn.Parameter]], start: Mapping[st
     return [{"module": m, "update_ratio": math.sqrt(d) / math.sqrt(s) if s > 0 else math.inf} for m, (d, s) in rows.items()]
 
 
+def _cached_inputs(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, steps: int) -> tuple[Any, Any, str]:
+    """(upstream, features, note): the stage trains on cached upstream outputs here exactly when
+    the pipeline would (``freeze.cache_features``), so steps and profiles match a real run.
+
+    Only the training samples of the first `steps` optimizer steps (and every validation
+    sample) are computed; the other rows stay zero and are never read.
+    """
+    import dataclasses
+
+    from cascade_ray.pipeline.features import cache_decision, upstream_outputs
+    from cascade_ray.stage.batches import train_batches
+    from cascade_ray.stage.loop import build_stage_model, stage_seed
+
+    if index == 0:
+        return upstream, None, "none (first stage)"
+    wanted, why = cache_decision(cfg, index)
+    if not wanted:
+        return upstream, None, f"off: {why}"
+    if upstream is None:  # the same freshly initialized upstream run_stage would build
+        model, _ = build_stage_model(cfg, index, data, None)
+        stage = cfg.stages[index].name
+        upstream = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if k.split(".")[1] != stage}
+    train = cfg.stages[index].train
+    wanted_batches, batches, epoch = steps * cfg.stages[index].solver.accumulation_steps, [], 0
+    while len(batches) < wanted_batches and epoch < train.epochs:
+        batches += list(train_batches(len(data.y_train), train.batch_size, rank=0, world=1, seed=stage_seed(cfg, index), epoch=epoch))
+        epoch += 1
+    rows = np.unique(torch.cat(batches[:wanted_batches]).numpy())
+    outputs = upstream_outputs(cfg, index, dataclasses.replace(data, x_train=data.x_train[rows], y_train=data.y_train[rows]), upstream)
+    x_train = np.zeros((len(data.y_train), *outputs["train"].shape[1:]), np.float32)
+    x_train[rows] = outputs["train"]
+    shape = "x".join(str(d) for d in outputs["train"].shape[1:])
+    return upstream, {"x_train": x_train, "x_val": outputs["val"]}, f"on: trains on the upstream's {shape} outputs, computed once"
+
+
 def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 20, upstream: Mapping[str, np.ndarray] | None = None,
              upstream_source: str | None = None, device: torch.device | None = None, profile: str | Path | None = None) -> dict[str, Any]:
     """Run stage `index` for `steps` optimizer steps in-process; return the report as a dict.
@@ -141,11 +176,12 @@ def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 
 
         profiler = StepProfiler(profile, device, stage.name)
         hooks = chain_hooks(profiler.hooks(), hooks)  # the profiler steps before the recorder stops the run
+    upstream, features, report["feature_cache"] = _cached_inputs(cfg, index, data, upstream, steps)
     log = io.StringIO()
     error: CascadeError | None = None
     with contextlib.redirect_stdout(log):
         try:
-            run_stage(diagnose_config(cfg, index, steps), index, data, upstream, _QuietReporter(), device, hooks=hooks)
+            run_stage(diagnose_config(cfg, index, steps), index, data, upstream, _QuietReporter(), device, hooks=hooks, features=features)
         except _Stop:
             pass
         except CascadeError as exc:
@@ -203,7 +239,7 @@ def _flatten(section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
     """The report as text tables."""
     out = [f"diagnose stage {report['stage']!r} (stages[{report['index']}]): {report.get('steps_run', 0)} optimizer step(s) on {report['device']}, no Ray",
-           f"upstream: {report['upstream']}", "", "solver (as loaded):"]
+           f"upstream: {report['upstream']}", f"feature cache: {report.get('feature_cache', 'n/a')}", "", "solver (as loaded):"]
     out += [f"  {k}: {v}" for k, v in _flatten(report["solver"]).items()]
     if "optimizer" in report:
         opt = report["optimizer"]

@@ -41,6 +41,8 @@ def test_cli_json_report_of_a_downstream_stage(capsys):
     assert {r["module"] for r in report["gradients"]} >= {"heads.encoder.fc", "blocks.encoder.norm"}
     assert not any(r["module"].startswith("blocks.features") for r in report["gradients"])  # frozen: not in any group
     assert report["precision"] == {"precision": "fp32", "loss_scale": None, "skipped_steps": 0}
+    # like the pipeline, the encoder trains on the frozen features' cached outputs
+    assert report["feature_cache"] == "on: trains on the upstream's 16x4x4 outputs, computed once"
 
 
 def test_text_report_of_a_stalled_stage_exits_1(capsys):
