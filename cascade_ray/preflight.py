@@ -47,11 +47,23 @@ def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
 
 
 def require_plans(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> list[StagePlan]:
-    """:func:`plan_chain`, raising :class:`ConfigError` on any issue."""
-    plans, issues = plan_chain(cfg, input_shape, num_classes)
-    if issues:
-        raise ConfigError(issues)
-    return plans
+    """:func:`plan_chain`, raising :class:`ConfigError` on any issue.
+
+    Successful plans are remembered per (config, input shape, classes): the driver asks for
+    them several times per stage, and each plan builds every stage on the meta device.
+    """
+    key = (cfg.model_dump_json(), tuple(int(d) for d in input_shape), int(num_classes))
+    if key not in _PLANS:
+        plans, issues = plan_chain(cfg, input_shape, num_classes)
+        if issues:
+            raise ConfigError(issues)
+        if len(_PLANS) >= 64:
+            _PLANS.clear()
+        _PLANS[key] = plans
+    return list(_PLANS[key])
+
+
+_PLANS: dict[tuple[str, tuple[int, ...], int], list[StagePlan]] = {}
 
 
 def plan_chain(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> tuple[list[StagePlan], list[ConfigIssue]]:

@@ -19,6 +19,8 @@ Tune trials run in other processes and see none (their workers print as before).
 
 from __future__ import annotations
 
+import functools
+
 import math
 import os
 import sys
@@ -152,6 +154,7 @@ class ProgressDisplay:
         self.printed: dict[str, Any] | None = None  # the last plain line's update
         self.printed_at = -math.inf
         self._stop = threading.Event()
+        self._fetched = threading.Event()  # the board answered once (it exists)
         self._thread: threading.Thread | None = None
 
     # -- the driver's own lines ------------------------------------------------------------------
@@ -160,7 +163,9 @@ class ProgressDisplay:
         """`log` with the live line cleared before and redrawn after each line."""
 
         def wrapped(line: str) -> None:
-            if not self.tty and not self._stop.is_set():  # after stop() Ray may be shut down: a poll would start a new one
+            # after stop() Ray may be shut down (a poll would start a new one); before the board first
+            # answered, a poll would wait for its actor to start (~1 s) and no stage has reported yet
+            if not self.tty and not self._stop.is_set() and self._fetched.is_set():
                 try:
                     self.poll()  # a stage's last update belongs before the driver's line about that stage
                 except Exception:  # noqa: BLE001 - the board is gone; print the line anyway
@@ -188,6 +193,7 @@ class ProgressDisplay:
         """Fetch once and render (the driver's thread and its log lines both poll)."""
         with self.poll_lock:
             version, latest, notes = self.fetch(self.notes_seen)
+            self._fetched.set()
             self._render(version, latest, notes)
 
     def _render(self, version: int, latest: dict[str, Any] | None, notes: list[str]) -> None:
@@ -267,6 +273,15 @@ class ProgressDisplay:
                 self._flush_stage()
 
 
+@functools.lru_cache(maxsize=1)
+def _remote_board() -> Any:
+    """The board's Ray actor class, made once per process: Ray exports (pickles and
+    fingerprints) every new actor class, about 0.1 s."""
+    import ray
+
+    return ray.remote(num_cpus=0)(ProgressBoard)
+
+
 class ProgressSession:
     """The board and its display for one pipeline run: :meth:`start` after ``ray.init``, :meth:`stop` before shutdown."""
 
@@ -288,7 +303,7 @@ class ProgressSession:
         from cascade_ray.logs import set_print_guard
 
         try:
-            board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+            board = _remote_board().remote()
         except Exception as exc:  # noqa: BLE001 - progress is never worth failing a run over
             print(f"note: no progress display ({type(exc).__name__}: {exc})", flush=True)
             return cls()
