@@ -41,7 +41,11 @@ class MLP(nn.Module):
 
     def __init__(self, in_features: int, hidden: list[int], dropout: float, pool: str, activation: str) -> None:
         super().__init__()
-        self.in_width = in_features
+        self.in_features = in_features
+        # `in_width` is the channel width the shape preflight and adapters match against the
+        # upstream output; a flattening MLP takes C*H*W, which no channel width equals, so it
+        # has none (its own check in forward names the size to set)
+        self.in_width = in_features if pool != "flatten" else None
         self.out_channels = hidden[-1]
         self.pool = pool
         widths = [in_features, *hidden]
@@ -68,10 +72,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = tuple(x.shape)
         x = self._pooled(x)
-        if x.dim() < 2 or x.shape[-1] != self.in_width:
+        if x.dim() < 2 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"mlp: input of shape {shape} gives {tuple(x.shape)} after pool={self.pool!r}, "
-                f"but in_features={self.in_width}; set in_features to {x.shape[-1] if x.dim() else 1}"
+                f"but in_features={self.in_features}; set in_features to {x.shape[-1] if x.dim() else 1}"
             )
         return self.blocks(x)
 

@@ -56,3 +56,13 @@ def test_pretrained_keys_must_match_the_module(debug_raw, tmp_path):
     debug_raw["stages"][0]["pretrained"] = str(bad)
     with pytest.raises(ConfigError, match="does not match the module"):
         validate_config(debug_raw)
+
+
+def test_a_flattening_mlp_is_checked_against_the_flattened_size(debug_raw):
+    # the encoder outputs (16 tokens, 16 wide): a flattening MLP takes 256 features, not 16
+    debug_raw["stages"][2]["model"] = {"type": "mlp", "in_features": 256, "hidden": [32], "pool": "flatten"}
+    plans, issues = plan_chain(validate_config(debug_raw), (1, 8, 8), num_classes=10)
+    assert not issues and plans[2].out_shape == (32,)
+    debug_raw["stages"][2]["model"]["in_features"] = 16
+    with pytest.raises(ConfigError, match="set in_features to 256"):
+        validate_config(debug_raw)
