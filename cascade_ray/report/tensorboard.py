@@ -11,6 +11,7 @@ says so and nothing else changes.
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ def write_tensorboard(out: Path, tables: Mapping[str, list[dict[str, Any]]], log
         return None
     root = out / TENSORBOARD_DIR
     for stage, rows in tables.items():
+        # the folder mirrors metrics/<stage>.parquet: a rerun into the same run folder replaces
+        # it (event files are appended to, so TensorBoard would show every point twice)
+        shutil.rmtree(root / stage, ignore_errors=True)
         with SummaryWriter(log_dir=str(root / stage)) as writer:
             for row in rows:
                 group = "step" if row.get("kind") == "step" else "epoch"

@@ -56,10 +56,13 @@ def test_five_pipelines_and_a_16_trial_sweep_leave_nothing_behind(ray_session, t
     # Ray keeps a few per-session actors once the first fit made them (Ray Data's
     # DatasetManager and autoscaling coordinator) and the last Train controller lingers
     # with its loop config (and the refs in it) until it is collected: after the first
-    # pipeline, live actors and object-store bytes must not grow.
+    # pipeline, live actors and object-store bytes must not grow. Measured: that loop
+    # config holds the data (0.13 MB), the classifier's upstream weights (0.05 MB) and its
+    # cached features (1437 x 16 x 16 float32, 1.47 MB), each listed twice by the state API
+    # (the driver's reference and the controller's borrowed one): 3.3 MB.
     steady = after[0]
     assert len(steady["actors"]) <= len(baseline["actors"]) + 3, steady
-    assert steady["object_bytes"] <= baseline["object_bytes"] + 1024 * 1024, steady
+    assert steady["object_bytes"] <= baseline["object_bytes"] + 4 * 1024 * 1024, steady
     for snap in [*after, final]:
         assert snap["actors"] == steady["actors"], snap
         assert snap["placement_groups"] == baseline["placement_groups"], snap

@@ -64,6 +64,11 @@ def test_tensorboard_event_files_hold_step_and_epoch_scalars(tmp_path):
     assert [e.step for e in events.Scalars("step/train_loss")] == list(range(10, 81, 10))
     assert [e.step for e in events.Scalars("step/grad_norm")] == [20, 40, 60, 80]  # NaN (unmeasured) steps left out
     assert [round(e.value, 4) for e in events.Scalars("epoch/val_accuracy")] == [0.7, 0.9]
+    # a rerun into the same run folder replaces the events (appending would show every point twice)
+    _write(tmp_path, log=lines.append)
+    again = EventAccumulator(str(tmp_path / "tensorboard" / "features"))
+    again.Reload()
+    assert [e.step for e in again.Scalars("step/train_loss")] == list(range(10, 81, 10))
 
 
 def test_without_tensorboard_one_info_line_and_no_failure(tmp_path, monkeypatch):
