@@ -96,7 +96,7 @@ def cache_key(upstream_fingerprint: str, upstream_state: dict[str, np.ndarray], 
 
 
 def prepare_feature_cache(
-    cfg: PipelineConfig, index: int, *, out: StorageDir, data_ref: ray.ObjectRef, sizes: dict[str, int], upstream: Any,
+    cfg: PipelineConfig, index: int, *, out: StorageDir, data_ref: ray.ObjectRef, sizes: dict[str, int], in_shape: tuple[int, ...], upstream: Any,
     previous: FeatureCache | None, log: Callable[[str], None],
 ) -> FeatureCache | None:
     """The cached inputs of stage `index`, read from storage or computed; None when the cache is off.
@@ -107,6 +107,7 @@ def prepare_feature_cache(
         out: the run folder (``{storage_path}/{name}``).
         data_ref: the data splits in the object store.
         sizes: samples per split (``{"train": n, "val": n}``).
+        in_shape: one sample's shape at stage `index`'s input (its shape plan), the features' shape.
         upstream: the previous stage's :class:`~cascade_ray.pipeline.stages.Handoff`.
         previous: the previous stage's own cache, when it trained on one (computed from it).
         log: where the decision goes.
@@ -129,8 +130,7 @@ def prepare_feature_cache(
     arrays = _read_parquet(path, key, sizes, log, stage.name)
     status = "read"
     if arrays is None:
-        shape = _feature_shape(cfg, index, data_ref)
-        need = 4 * math.prod(shape) * sum(sizes.values())
+        need = 4 * math.prod(in_shape) * sum(sizes.values())
         capacity = ray.cluster_resources().get("object_store_memory", 0.0)
         if need > OBJECT_STORE_SHARE * capacity:
             message = f"the features of {stage.name!r} take {need / 2**30:.2f} GiB, more than half the object store ({capacity / 2**30:.2f} GiB)"
@@ -146,15 +146,6 @@ def prepare_feature_cache(
     cache = FeatureCache(stage.name, ray.put(arrays), key, shape, path, status, time.perf_counter() - t0)
     log(f"  {stage.name}: feature cache {status}: upstream outputs {'x'.join(map(str, shape))} for {sum(sizes.values())} samples in {cache.seconds:.1f} s ({path})")
     return cache
-
-
-def _feature_shape(cfg: PipelineConfig, index: int, data_ref: ray.ObjectRef) -> tuple[int, ...]:
-    from cascade_ray.preflight import require_plans
-
-    small = ray.get(data_ref)  # zero-copy views; only shapes are read
-    x = small["x_train"]
-    plans = require_plans(cfg, tuple(x.shape[1:]), int(small["num_classes"]))
-    return tuple(next(p for p in plans if p.name == cfg.stages[index].name).in_shape)
 
 
 def compute_features(

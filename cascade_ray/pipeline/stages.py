@@ -71,7 +71,7 @@ class StageSession:
     num_classes: int
     log: Callable[[str], None] = print
     split_sizes: dict[str, int] = field(default_factory=dict)  # samples per split, for the feature cache
-    caches: dict[int, FeatureCache] = field(default_factory=dict)  # stage index -> the cached inputs it trained on
+    caches: dict[int, FeatureCache] = field(default_factory=dict)  # stage index -> the cached inputs it trained on (the newest only)
 
     def artifact_dir(self, index: int) -> Path:
         return self.out / "stages" / self.cfg.stages[index].name
@@ -97,9 +97,15 @@ class StageSession:
         """Stage `index`'s cached upstream outputs (computed or read), or None when it trains on raw inputs."""
         if upstream is None:
             return None
+        plan = next(p for p in require_plans(self.cfg, self.input_shape, self.num_classes) if p.name == self.cfg.stages[index].name)
         cache = prepare_feature_cache(
-            self.cfg, index, out=self.out, data_ref=self.data_ref, sizes=self.split_sizes, upstream=upstream, previous=self.caches.get(index - 1), log=self.log,
+            self.cfg, index, out=self.out, data_ref=self.data_ref, sizes=self.split_sizes, in_shape=plan.in_shape, upstream=upstream,
+            previous=self.caches.get(index - 1), log=self.log,
         )
+        # only the newest cache is needed (the next stage computes its own from it): older ones
+        # would pin their object-store memory until the pipeline ends
+        for older in [i for i in self.caches if i < index]:
+            del self.caches[older]
         if cache is not None:
             self.caches[index] = cache
         return cache
