@@ -12,12 +12,12 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train.torch import TorchTrainer
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
 from cascade_ray.logs import train_logging_config
+from cascade_ray.pipeline.trainer import StageTrainer
 from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
 from cascade_ray.storage import StorageDir
@@ -186,7 +186,7 @@ def fit_stage(
     cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: StorageDir, run_name: str, callbacks: list[Any] | None = None,
     features_ref: ray.ObjectRef | None = None,
 ) -> ray.train.Result:
-    """Train one stage as a TorchTrainer job and return its Result.
+    """Train one stage as a TorchTrainer job (:class:`StageTrainer`) and return its Result.
 
     ``callbacks`` go to ``RunConfig`` (Tune trials pass ``TuneReportCallback``); ``features_ref``
     holds the stage's cached upstream outputs (:mod:`cascade_ray.pipeline.features`).
@@ -198,7 +198,7 @@ def fit_stage(
     use_gpu = resolve_use_gpu(stage, cluster_view())
     pipeline = cfg.model_dump(mode="json")
     pipeline["stages"][index]["scaling"]["use_gpu"] = use_gpu  # workers see the decision, not `auto`
-    trainer = TorchTrainer(
+    trainer = StageTrainer(
         train_loop_per_worker,
         train_loop_config={
             "pipeline": pipeline,

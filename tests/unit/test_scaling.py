@@ -146,7 +146,7 @@ def test_fit_stage_hands_workers_the_resolved_use_gpu(debug_raw, monkeypatch, tm
         def fit(self):
             return "result"
 
-    monkeypatch.setattr(fit, "TorchTrainer", FakeTrainer)
+    monkeypatch.setattr(fit, "StageTrainer", FakeTrainer)
     monkeypatch.setattr(fit, "cluster_view", lambda: GPU_BOX)
     cfg = validate_config(debug_raw)
     assert fit.fit_stage(cfg, 1, data_ref=None, upstream_ref=None, ray_dir=tmp_path, run_name="r") == "result"
