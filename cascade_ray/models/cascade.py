@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from cascade_ray.config.schema import AdapterConfig, HeadConfig, PipelineConfig
+from cascade_ray.models.dropout import Dropout
 from cascade_ray.models.registry import build_module, module_in_width, tensor_width
 
 
@@ -44,7 +45,7 @@ class Head(nn.Module):
         super().__init__()
         self.pool = cfg.pool
         flat = int(torch.Size(in_shape).numel()) if cfg.pool == "flatten" else in_shape[0 if len(in_shape) == 3 else -1]
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.fc = nn.Linear(flat, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

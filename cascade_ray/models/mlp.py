@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from cascade_ray.models.dropout import Dropout
+
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu": nn.GELU,
     "relu": nn.ReLU,
@@ -51,7 +53,7 @@ class MLP(nn.Module):
         widths = [in_features, *hidden]
         self.blocks = nn.Sequential(
             *(
-                nn.Sequential(nn.Linear(a, b), _ACTIVATIONS[activation](), nn.Dropout(dropout))
+                nn.Sequential(nn.Linear(a, b), _ACTIVATIONS[activation](), Dropout(dropout))
                 for a, b in zip(widths[:-1], widths[1:])
             )
         )

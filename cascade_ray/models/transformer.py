@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cascade_ray.models.dropout import use_fast_dropout
+
 
 def _check(kwarg: str, value: object, *, minimum: int = 1) -> int:
     # bool is an int subclass, but `True` as a width is always a config mistake.
@@ -63,11 +65,13 @@ class Transformer(nn.Module):
         self.embed = TokenEmbed(in_channels, d_model, max_tokens)
         # A plain ModuleList instead of nn.TransformerEncoder: each layer must be its own
         # cascade layer, and it sidesteps the encoder's nested-tensor conversion.
+        # Their nn.Dropout modules become the cheaper CPU Dropout (models/dropout.py); the
+        # attention-weight dropout inside MultiheadAttention stays torch's own.
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(
+            use_fast_dropout(nn.TransformerEncoderLayer(
                 d_model, heads, dim_feedforward=int(d_model * mlp_ratio), dropout=dropout,
                 activation="gelu", batch_first=True, norm_first=True,
-            )
+            ))
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(d_model)

@@ -1,0 +1,65 @@
+"""models/dropout.py: the cheaper CPU dropout keeps nn.Dropout's contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cascade_ray.models.dropout import Dropout, fast_dropout, use_fast_dropout
+from cascade_ray.models.mlp import mlp
+from cascade_ray.models.transformer import transformer
+
+
+@pytest.mark.parametrize("p", [0.1, 0.2, 0.5])
+def test_drop_rate_and_scale(p):
+    torch.manual_seed(0)
+    y = fast_dropout(torch.ones(2_000_000), p)
+    kept = y > 0
+    # binomial sd on 2M draws is < 0.00036; 5 sd
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.0018
+    assert torch.all(y[kept] == torch.tensor(1.0 / (1.0 - p)))
+    assert torch.all(y[~kept] == 0)
+
+
+def test_gradient_is_the_same_mask_and_scale():
+    torch.manual_seed(1)
+    x = torch.randn(64, 49, 32, requires_grad=True)
+    y = Dropout(0.3).train()(x)
+    y.sum().backward()
+    kept = y != 0
+    assert torch.all(x.grad[kept] == torch.tensor(1 / 0.7)) and torch.all(x.grad[~kept] == 0)
+    assert torch.allclose(y[kept], x.detach()[kept] / 0.7)
+
+
+def test_eval_is_identity_and_seeded_runs_repeat():
+    x = torch.randn(8, 100)
+    assert Dropout(0.5).eval()(x) is x
+    torch.manual_seed(3)
+    a = Dropout(0.5).train()(x)
+    torch.manual_seed(3)
+    b = Dropout(0.5).train()(x)
+    assert torch.equal(a, b) and not torch.equal(a, x)
+
+
+def test_inplace_and_integer_inputs_use_torch_dropout():
+    torch.manual_seed(0)
+    x = torch.ones(1000)
+    out = Dropout(0.5, inplace=True).train()(x)
+    assert out.data_ptr() == x.data_ptr()  # nn.Dropout's in-place path
+    assert Dropout(0.5).train()(torch.ones(10, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_builtin_models_use_it_and_stay_nn_dropout():
+    m = mlp(in_features=8, hidden=[16], dropout=0.1)
+    t = transformer(in_channels=8, d_model=16, depth=2, heads=2, dropout=0.1)
+    for model, count in ((m, 1), (t, 6)):
+        found = [mod for mod in model.modules() if isinstance(mod, nn.Dropout)]
+        assert len(found) == count and all(type(mod) is Dropout for mod in found)
+
+
+def test_use_fast_dropout_keeps_p_and_inplace():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Dropout(0.25, inplace=True)))
+    use_fast_dropout(seq)
+    inner = seq[1][0]
+    assert type(inner) is Dropout and inner.p == 0.25 and inner.inplace
