@@ -1,6 +1,6 @@
 """P4 feature cache: downstream stage epoch time and an 8-trial sweep, cached vs recomputing the upstream.
 
-    /work/venv/bin/python benchmarks/bench_cache.py [--repeats 2] [--trials 8] [--skip-sweep]
+    /work/venv/bin/python benchmarks/bench_cache.py [--repeats 2] [--trials 8] [--skip-sweep | --skip-epochs]
 
 Workload: ``pipelines/configs/three_stage.yaml`` on the real Fashion-MNIST subset (9000 train /
 1000 val). Prints ``figure: value (ratio vs baseline)`` lines; the baseline is always the
@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--skip-sweep", action="store_true", help="only the in-process epoch times")
+    parser.add_argument("--skip-epochs", action="store_true", help="only the sweep")
     args = parser.parse_args(argv)
-    epoch_times(args.repeats)
+    if not args.skip_epochs:
+        epoch_times(args.repeats)
     if not args.skip_sweep:
         sweep_times(args.repeats, args.trials)
     return 0
