@@ -11,8 +11,10 @@ set so each run takes a few hundred optimizer steps (over several epochs: 141 st
   prints every ``log_interval`` steps to a discarded stdout), with a minimal list reporter.
 - **baseline**: a hand-written PyTorch loop on the same model (built by ``build_stage_model``,
   same seed), same data arrays, batch order (the same seeded permutation), per-batch
-  normalization, augmentation (flip + 1-px shift, same tensor ops), AdamW with the same two
-  parameter groups (no decay on 1-D), the same cosine lr plan and torch thread count. Both
+  normalization, augmentation (flip + 1-px shift, same tensor ops), the same loss (label
+  smoothing, scale) and precision (bf16 autocast of forward and loss when the stage asks
+  for it), AdamW with the same two parameter groups (no decay on 1-D), the same cosine lr
+  plan and torch thread count. Both
   runs end with the same loss to the last bit (printed as a check that the work is identical).
 
 What is timed: the **steady-state step throughput** of both, as the sum of the wall-clock
@@ -111,6 +113,7 @@ def run_baseline(cfg, data) -> _Clock:
 
     stage = cfg.stages[INDEX]
     train, solver, aug = stage.train, stage.solver, stage.train.augment
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if solver.precision == "bf16" else contextlib.nullcontext
     clock = _Clock()
     w0, c0 = time.perf_counter(), time.process_time()
     model, _ = build_stage_model(cfg, INDEX, data, None)  # seeds torch like run_stage does
@@ -164,7 +167,8 @@ def run_baseline(cfg, data) -> _Clock:
                 rows = (oy + torch.arange(h))[:, None, :, None]
                 cols = (ox + torch.arange(w))[:, None, None, :]
                 x = padded[torch.arange(b)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
-            loss = F.cross_entropy(model(x, heads=[head])[head], y)
+            with amp():  # the stage's precision (bf16 autocast in the demo config), forward and loss
+                loss = stage.loss.scale * F.cross_entropy(model(x, heads=[head])[head], y, label_smoothing=stage.loss.label_smoothing)
             loss.backward()
             optimizer.step()
             step += 1
