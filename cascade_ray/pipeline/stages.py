@@ -71,7 +71,9 @@ class StageSession:
     num_classes: int
     log: Callable[[str], None] = print
     split_sizes: dict[str, int] = field(default_factory=dict)  # samples per split, for the feature cache
-    caches: dict[int, FeatureCache] = field(default_factory=dict)  # stage index -> the cached inputs it trained on (the newest only)
+    # (stage index, the cached inputs it trained on) of the newest cached stage only: the next
+    # stage computes its own from it, older ones would pin object-store memory to the end
+    newest_cache: tuple[int, FeatureCache] | None = None
 
     def artifact_dir(self, index: int) -> Path:
         return self.out / "stages" / self.cfg.stages[index].name
@@ -100,15 +102,14 @@ class StageSession:
         plan = next(p for p in require_plans(self.cfg, self.input_shape, self.num_classes) if p.name == self.cfg.stages[index].name)
         cache = prepare_feature_cache(
             self.cfg, index, out=self.out, data_ref=self.data_ref, sizes=self.split_sizes, in_shape=plan.in_shape, upstream=upstream,
-            previous=self.caches.get(index - 1), log=self.log,
+            previous=self.cache_of(index - 1), log=self.log,
         )
-        # only the newest cache is needed (the next stage computes its own from it): older ones
-        # would pin their object-store memory until the pipeline ends
-        for older in [i for i in self.caches if i < index]:
-            del self.caches[older]
-        if cache is not None:
-            self.caches[index] = cache
+        self.newest_cache = (index, cache) if cache is not None else None
         return cache
+
+    def cache_of(self, index: int) -> FeatureCache | None:
+        """The cached inputs stage `index` trained on, if it is the newest cached stage."""
+        return self.newest_cache[1] if self.newest_cache is not None and self.newest_cache[0] == index else None
 
     def finish(self, index: int, upstream: Handoff | None, result: ray.train.Result, *, fp: str, run_name: str, started: float, history: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], Handoff]:
         """Best checkpoint -> frozen hand-off check -> durable artifact -> one ray.put.
@@ -133,8 +134,8 @@ class StageSession:
             "num_workers": outcome.get("world_size", stage.scaling.num_workers), "trainable_params": trainable, "frozen_params": frozen_params,
             "fingerprint": fp, "ray_run": run_name,
         }
-        if index in self.caches:
-            record["feature_cache"] = self.caches[index].record()
+        if (cache := self.cache_of(index)) is not None:
+            record["feature_cache"] = cache.record()
         artifact = write_artifact(
             self.artifact_dir(index), state,
             {**{k: record[k] for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")},

@@ -21,6 +21,7 @@ callbacks unchanged: the saving is lost, nothing else.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -39,8 +40,9 @@ def _internal_callbacks() -> tuple[type, type] | None:
     return DatasetsCallback, PlacementGroupCleanerCallback
 
 
+@functools.cache
 def _quick_stop_cleaner_class(base: type) -> type | None:
-    """A ``PlacementGroupCleanerCallback`` whose stop is sent without waiting for the reply."""
+    """A ``PlacementGroupCleanerCallback`` whose stop is sent without waiting for the reply (made once)."""
     if not callable(getattr(base, "_stop_cleaner", None)):
         return None
 
@@ -71,9 +73,7 @@ def lean_callbacks(callbacks: list[Any], *, has_datasets: bool) -> list[Any]:
         if isinstance(cb, datasets_cls) and not has_datasets:
             continue
         if quick is not None and type(cb) is cleaner_cls:
-            replacement = quick.__new__(quick)
-            replacement.__dict__.update(cb.__dict__)  # same check interval and timeouts as Ray chose
-            cb = replacement
+            cb.__class__ = quick  # the same instance: Ray's check interval and timeouts
         out.append(cb)
     return out
 
