@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ListReporter  # noqa: E402
+from common import ListReporter
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "pipelines" / "configs" / "three_stage.yaml"
@@ -57,8 +57,11 @@ def epoch_times(repeats: int) -> None:
     cfg = load_config(CONFIG, ["stages.encoder.train.epochs=1", "stages.classifier.train.epochs=1"])
     data = load_data(cfg.data, cfg.seed)
     torch.set_num_threads(2)
-    print(f"epoch time: {CONFIG.name}, {data.source}: {len(data.y_train)} train / {len(data.y_val)} val, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {repeats} repeats each (alternating)", flush=True)
+    print(
+        f"epoch time: {CONFIG.name}, {data.source}: {len(data.y_train)} train / {len(data.y_val)} val, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {repeats} repeats each (alternating)",
+        flush=True,
+    )
     for index in (1, 2):
         stage = cfg.stages[index]
         model, _ = build_stage_model(cfg, index - 1, data, None)  # seeded upstream weights
@@ -69,19 +72,33 @@ def epoch_times(repeats: int) -> None:
         features = {"x_train": outputs["train"], "x_val": outputs["val"]}
         times: dict[str, list[float]] = {"off": [], "on": []}
         for rep in range(repeats + 1):  # the first pair warms up (allocator, lazy init): not counted
-            for kind in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+            for kind in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                 t0 = time.perf_counter()
                 with contextlib.redirect_stdout(io.StringIO()):
-                    run_stage(cfg, index, data, upstream, ListReporter(), torch.device("cpu"), features=features if kind == "on" else None)
+                    run_stage(
+                        cfg,
+                        index,
+                        data,
+                        upstream,
+                        ListReporter(),
+                        torch.device("cpu"),
+                        features=features if kind == "on" else None,
+                    )
                 if rep:
                     times[kind].append(time.perf_counter() - t0)
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         shape = "x".join(map(str, features["x_train"].shape[1:]))
-        print(f"  {stage.name} ({stage.model.type} on {shape} upstream outputs): epochs off {', '.join(f'{t:.1f}' for t in times['off'])} s; "
-              f"on {', '.join(f'{t:.1f}' for t in times['on'])} s; features computed once in {build_s:.1f} s", flush=True)
+        print(
+            f"  {stage.name} ({stage.model.type} on {shape} upstream outputs): epochs off {', '.join(f'{t:.1f}' for t in times['off'])} s; "
+            f"on {', '.join(f'{t:.1f}' for t in times['on'])} s; features computed once in {build_s:.1f} s",
+            flush=True,
+        )
         print(f"{stage.name} epoch, recomputing the upstream: {off:.2f} s (1.000 vs baseline)")
         print(f"{stage.name} epoch, on cached features: {on:.2f} s ({off / on:.2f}x faster)")
-        print(f"{stage.name} first epoch incl. computing the cache: {on + build_s:.2f} s ({off / (on + build_s):.2f}x faster)", flush=True)
+        print(
+            f"{stage.name} first epoch incl. computing the cache: {on + build_s:.2f} s ({off / (on + build_s):.2f}x faster)",
+            flush=True,
+        )
 
 
 def sweep_times(repeats: int, trials: int) -> None:
@@ -98,31 +115,43 @@ def sweep_times(repeats: int, trials: int) -> None:
     space_file = root / "classifier.yaml"
     space_file.write_text(yaml.safe_dump(space))
     base = [f"storage_path={root}", "stages.features.train.max_steps=20", "stages.encoder.train.max_steps=20"]
-    ray.init(num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()}, log_to_driver=False, include_dashboard=False)
+    ray.init(
+        num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()}, log_to_driver=False, include_dashboard=False
+    )
     try:
         t0 = time.perf_counter()
         run_pipeline(load_config(CONFIG, base), stop_after="encoder", log=lambda _: None)
-        print(f"sweep: {trials}-trial FIFO sweep of classifier ({SPACE.name} space), upstream artifacts trained in {time.perf_counter() - t0:.1f} s (not timed); "
-              f"ray {ray.__version__}, {repeats} runs each, alternating", flush=True)
+        print(
+            f"sweep: {trials}-trial FIFO sweep of classifier ({SPACE.name} space), upstream artifacts trained in {time.perf_counter() - t0:.1f} s (not timed); "
+            f"ray {ray.__version__}, {repeats} runs each, alternating",
+            flush=True,
+        )
         times: dict[str, list[float]] = {"off": [], "on": []}
         for rep in range(repeats):
-            for kind in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+            for kind in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                 shutil.rmtree(root / "three-stage" / "tune", ignore_errors=True)
                 shutil.rmtree(root / "three-stage" / "cache", ignore_errors=True)
                 cfg = load_config(CONFIG, [*base, f"stages.classifier.freeze.cache_features={kind}"])
                 t0 = time.perf_counter()
                 with contextlib.redirect_stdout(io.StringIO()):
-                    summary = run_pipeline(cfg, spaces={"classifier": str(space_file)}, stop_after="classifier", log=lambda _: None)
+                    summary = run_pipeline(
+                        cfg, spaces={"classifier": str(space_file)}, stop_after="classifier", log=lambda _: None
+                    )
                 times[kind].append(time.perf_counter() - t0)
                 record = summary["stages"][2]
                 assert record["sweep"]["trials"] == trials and ("feature_cache" in record) == (kind == "on")
-                print(f"  run {rep + 1} cache {kind}: {times[kind][-1]:.1f} s (best val_accuracy {record['metrics']['val_accuracy']:.4f})", flush=True)
+                print(
+                    f"  run {rep + 1} cache {kind}: {times[kind][-1]:.1f} s (best val_accuracy {record['metrics']['val_accuracy']:.4f})",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     print(f"{trials}-trial classifier sweep, recomputing the upstream: {off:.1f} s (1.000 vs baseline)")
-    print(f"{trials}-trial classifier sweep, cached features (computed once, incl.): {on:.1f} s ({off / on:.2f}x faster)")
+    print(
+        f"{trials}-trial classifier sweep, cached features (computed once, incl.): {on:.1f} s ({off / on:.2f}x faster)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cascade_ray.models.dropout import Dropout  # noqa: E402
+from cascade_ray.models.dropout import Dropout
 
 CASES = [
     ("classifier MLP output (128 x 49 x 128), p=0.1", (128, 49, 128), 0.1),
@@ -46,14 +46,16 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"bench_dropout: torch {torch.__version__}, {args.threads} thread(s), forward + backward, {args.repeats} alternating blocks of 50 calls, medians")
+    print(
+        f"bench_dropout: torch {torch.__version__}, {args.threads} thread(s), forward + backward, {args.repeats} alternating blocks of 50 calls, medians"
+    )
     for name, shape, p in CASES:
         x = torch.randn(shape, requires_grad=True)
         base, fast = nn.Dropout(p).train(), Dropout(p).train()
         block(base, x, 5), block(fast, x, 5)
         times: dict[str, list[float]] = {"torch": [], "cascade": []}
         for r in range(args.repeats):
-            for kind in (("torch", "cascade") if r % 2 == 0 else ("cascade", "torch")):
+            for kind in ("torch", "cascade") if r % 2 == 0 else ("cascade", "torch"):
                 times[kind].append(block(base if kind == "torch" else fast, x))
         b, c = statistics.median(times["torch"]), statistics.median(times["cascade"])
         print(f"{name}, torch.nn.Dropout: {b * 1e3:.2f} ms (1.000 vs baseline)")
@@ -61,7 +63,9 @@ def main() -> int:
     with torch.no_grad():
         for p in (0.1, 0.2, 0.5):
             y = Dropout(p).train()(torch.ones(10_000_000))
-            print(f"check p={p}: kept fraction {(y > 0).float().mean().item():.5f} (expected {1 - p:.5f}), mean {y.mean().item():.5f} (expected 1)")
+            print(
+                f"check p={p}: kept fraction {(y > 0).float().mean().item():.5f} (expected {1 - p:.5f}), mean {y.mean().item():.5f} (expected 1)"
+            )
     return 0
 
 

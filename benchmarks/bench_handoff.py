@@ -93,7 +93,11 @@ def make_state(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     state = {}
     for key, (shape, dtype) in resnet50_shapes().items():
-        state[key] = np.array(int(rng.integers(0, 1000)), dtype=np.int64) if dtype == "int64" else rng.standard_normal(shape, dtype=np.float32)
+        state[key] = (
+            np.array(int(rng.integers(0, 1000)), dtype=np.int64)
+            if dtype == "int64"
+            else rng.standard_normal(shape, dtype=np.float32)
+        )
     return state
 
 
@@ -126,7 +130,9 @@ def make_consumer_class():
             import torch
 
             torch.set_num_threads(1)
-            self.module = {k: torch.empty(shape, dtype=getattr(torch, dtype)).fill_(1) for k, (shape, dtype) in shapes.items()}
+            self.module = {
+                k: torch.empty(shape, dtype=getattr(torch, dtype)).fill_(1) for k, (shape, dtype) in shapes.items()
+            }
             return os.getpid()
 
         def _finish(self, tensors, check: bool):
@@ -148,7 +154,9 @@ def make_consumer_class():
                 with warnings.catch_warnings():  # read-only source, copied from: never written
                     warnings.simplefilter("ignore", UserWarning)
                     return self._finish(self._copy_in({k: torch.from_numpy(v) for k, v in state.items()}), check)
-            return self._finish({k: torch.from_numpy(np.array(v)) for k, v in state.items()}, check)  # own, writable copies
+            return self._finish(
+                {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, check
+            )  # own, writable copies
 
         def from_store_views(self, wrapped: list) -> int:
             state = ray.get(wrapped[0])  # attribution only: no copy, not the same final state
@@ -200,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--consumers", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--dir", type=Path, default=None, help="where checkpoint directories go (default: a temp dir under $TMPDIR or /tmp)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where checkpoint directories go (default: a temp dir under $TMPDIR or /tmp)",
+    )
     args = parser.parse_args(argv)
 
     os.environ.pop("RAY_ADDRESS", None)  # an embedded Ray of our own, never someone else's cluster
@@ -217,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         consumers = [Consumer.remote() for _ in range(max(args.consumers))]
         shapes = {k: (v.shape, str(v.dtype)) for k, v in state.items()}
         ray.get([c.ready.remote(shapes) for c in consumers])
-        print(f"bench_handoff: ResNet-50-shaped state, {len(state)} tensors, {n_params / 1e6:.1f}M params, {n_bytes / 2**20:.1f} MiB; "
-              f"{len(consumers)} actors (num_cpus=0.25) started before timing; ray {ray.__version__}, ray.init(num_cpus=2); "
-              f"checkpoint dirs under {root} (page cache not dropped); {args.repeats} repeats per N, alternating, medians", flush=True)
+        print(
+            f"bench_handoff: ResNet-50-shaped state, {len(state)} tensors, {n_params / 1e6:.1f}M params, {n_bytes / 2**20:.1f} MiB; "
+            f"{len(consumers)} actors (num_cpus=0.25) started before timing; ray {ray.__version__}, ray.init(num_cpus=2); "
+            f"checkpoint dirs under {root} (page cache not dropped); {args.repeats} repeats per N, alternating, medians",
+            flush=True,
+        )
 
         # untimed: every path delivers exactly the producer's state
         want = digest(state)
@@ -233,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("a consumer's loaded state differs from the producer's")
         del ref
         path.unlink()
-        print(f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)", flush=True)
+        print(
+            f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)",
+            flush=True,
+        )
         for _, into_module in MODES:  # warm-up, not measured
             via_store(state, consumers, into_module), via_dir(state, consumers, root, into_module)
 
@@ -243,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode, into_module in MODES:
                 runs: dict[str, list[float]] = {"store": [], "put": [], "dir": [], "write": []}
                 for rep in range(args.repeats):
-                    for kind in (("store", "dir") if rep % 2 == 0 else ("dir", "store")):
+                    for kind in ("store", "dir") if rep % 2 == 0 else ("dir", "store"):
                         if kind == "store":
                             total, part = via_store(state, group, into_module)
                             runs["store"].append(total), runs["put"].append(part)
@@ -252,14 +271,23 @@ def main(argv: list[str] | None = None) -> int:
                             runs["dir"].append(total), runs["write"].append(part)
                 med = {k: statistics.median(v) for k, v in runs.items()}
                 results[(mode, n)] = med
-                print(f"N={n} {mode}, checkpoint directory: {med['dir']:.3f} s (1.000 vs baseline; producer write {med['write']:.3f} s; "
-                      f"runs {min(runs['dir']):.3f}..{max(runs['dir']):.3f})", flush=True)
-                print(f"N={n} {mode}, object store: {med['store']:.3f} s ({med['dir'] / med['store']:.2f}x faster than baseline; put {med['put']:.3f} s; "
-                      f"runs {min(runs['store']):.3f}..{max(runs['store']):.3f})", flush=True)
+                print(
+                    f"N={n} {mode}, checkpoint directory: {med['dir']:.3f} s (1.000 vs baseline; producer write {med['write']:.3f} s; "
+                    f"runs {min(runs['dir']):.3f}..{max(runs['dir']):.3f})",
+                    flush=True,
+                )
+                print(
+                    f"N={n} {mode}, object store: {med['store']:.3f} s ({med['dir'] / med['store']:.2f}x faster than baseline; put {med['put']:.3f} s; "
+                    f"runs {min(runs['store']):.3f}..{max(runs['store']):.3f})",
+                    flush=True,
+                )
             views = statistics.median(via_store(state, group, views=True)[0] for _ in range(args.repeats))
             results[("views", n)] = {"store": views}
-            print(f"N={n} object store, read-only views only (no copy; NOT the same final state, attribution only): {views:.3f} s "
-                  f"({results[(MODES[1][0], n)]['dir'] / views:.2f}x faster than the pre-built-module baseline)", flush=True)
+            print(
+                f"N={n} object store, read-only views only (no copy; NOT the same final state, attribution only): {views:.3f} s "
+                f"({results[(MODES[1][0], n)]['dir'] / views:.2f}x faster than the pre-built-module baseline)",
+                flush=True,
+            )
         first, last = min(args.consumers), max(args.consumers)
         for mode, _ in MODES:
             for kind, label in (("dir", "checkpoint directory"), ("store", "object store")):
@@ -270,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode, _ in MODES:
             speedup = results[(mode, last)]["dir"] / results[(mode, last)]["store"]
             growth = results[(mode, last)]["store"] / results[(mode, first)]["store"]
-            print(f"P3 target ({mode}): object store >= 5x faster at N={last}: {speedup:.2f}x -> {'met' if speedup >= 5 else 'NOT met'}; "
-                  f"flat in N (taken as <= 1.5x from N={first} to N={last}): {growth:.2f}x -> {'met' if growth <= 1.5 else 'NOT met'}")
+            print(
+                f"P3 target ({mode}): object store >= 5x faster at N={last}: {speedup:.2f}x -> {'met' if speedup >= 5 else 'NOT met'}; "
+                f"flat in N (taken as <= 1.5x from N={first} to N={last}): {growth:.2f}x -> {'met' if growth <= 1.5 else 'NOT met'}"
+            )
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)

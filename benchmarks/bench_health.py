@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ListReporter  # noqa: E402
+from common import ListReporter
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ("nonfinite", "grad_flow", "stall", "clip_saturation", "scale_collapse", "lr_drift", "frozen_drift")
@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     base_cfg = load_config(args.config)
     data = load_data(base_cfg.data, base_cfg.seed)
     upstream0 = to_numpy_state(build_stage_model(base_cfg, 0, data, None)[0].state_dict())
-    print(f"bench_health: {args.config.name}, data {data.source} ({len(data.y_train)} train), {args.epochs} epochs per run, "
-          f"{args.repeats} interleaved repeats (best of), torch {torch.__version__}, 1 thread, cpu")
+    print(
+        f"bench_health: {args.config.name}, data {data.source} ({len(data.y_train)} train), {args.epochs} epochs per run, "
+        f"{args.repeats} interleaved repeats (best of), torch {torch.__version__}, 1 thread, cpu"
+    )
     worst = 0.0
     for index in (0, 1):
         s = f"stages[{index}]"
@@ -131,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         # best of the repeats: the run least disturbed by other processes (equal work in every run)
         med = {k: (min(t[0] for t in v), min(t[1] for t in v)) for k, v in times.items()}
         stage = base_cfg.stages[index].name
-        for name, (step_s, wall_s) in med.items():
+        for name, (step_s, _wall_s) in med.items():
             base = med["clipping, monitor off"] if name.startswith("clipping") else med["monitor off"]
             print(f"{stage} step CPU time, {name}: {step_s * 1e3:.3f} ms ({step_s / base[0]:.3f} vs baseline)")
             if not name.endswith("interval 1"):  # the defaults only
                 worst = max(worst, step_s / base[0])
         for name in ("monitor off", "monitor on (interval 10)"):
-            print(f"{stage} stage CPU time, {name}: {med[name][1]:.3f} s ({med[name][1] / med['monitor off'][1]:.3f} vs baseline)")
+            print(
+                f"{stage} stage CPU time, {name}: {med[name][1]:.3f} s ({med[name][1] / med['monitor off'][1]:.3f} vs baseline)"
+            )
         # direct attribution, insensitive to run-to-run noise: time inside the monitor's calls
         shares = []
         for _ in range(args.repeats):
@@ -145,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                 _, stage_s = _run(args.config, index, variants["monitor on (interval 10)"], data, upstream)
             shares.append((stage_s, clock.seconds))
         stage_s, monitor_s = min(shares)
-        print(f"{stage} stage CPU time inside the monitor (interval 10): {monitor_s * 1e3:.1f} ms of {stage_s:.3f} s "
-              f"({stage_s / (stage_s - monitor_s):.3f} vs the same run without it)")
+        print(
+            f"{stage} stage CPU time inside the monitor (interval 10): {monitor_s * 1e3:.1f} ms of {stage_s:.3f} s "
+            f"({stage_s / (stage_s - monitor_s):.3f} vs the same run without it)"
+        )
     print(f"worst default-monitor step-time ratio: {worst:.3f} (target <= 1.03)")
     return 0
 

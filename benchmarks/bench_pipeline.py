@@ -53,7 +53,11 @@ def _warm_up() -> None:
 
     storage = tempfile.mkdtemp(prefix="bench-pipeline-warmup-")
     try:
-        TorchTrainer(noop, scaling_config=ray.train.ScalingConfig(num_workers=2), run_config=ray.train.RunConfig(name="warmup", storage_path=storage)).fit()
+        TorchTrainer(
+            noop,
+            scaling_config=ray.train.ScalingConfig(num_workers=2),
+            run_config=ray.train.RunConfig(name="warmup", storage_path=storage),
+        ).fit()
     finally:
         shutil.rmtree(storage, ignore_errors=True)
 
@@ -75,7 +79,12 @@ def timed_loop(fn, log_path: str):
             end = time.time()
             with open(log_path, "a") as f:
                 stage = config.get("stage_index", config.get("index"))
-                f.write(json.dumps({"stage": stage, "rank": ray.train.get_context().get_world_rank(), "start": start, "end": end}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"stage": stage, "rank": ray.train.get_context().get_world_rank(), "start": start, "end": end}
+                    )
+                    + "\n"
+                )
 
     return wrapper
 
@@ -121,7 +130,13 @@ def run_candidate(config: Path, storage: Path, overrides: list[str] = ()) -> dic
     finally:
         stages_mod.fit_stage, fit_mod.train_loop_per_worker = original_fit, original_loop
     stage_s = [s["wall_s"] for s in summary["stages"]]
-    return {"wall": wall, "fits": [b - a for a, b in fits], "stages": stage_s, "phases": _phases(fits, log_path), "accuracy": summary["test_accuracy"]}
+    return {
+        "wall": wall,
+        "fits": [b - a for a, b in fits],
+        "stages": stage_s,
+        "phases": _phases(fits, log_path),
+        "accuracy": summary["test_accuracy"],
+    }
 
 
 def run_baseline(config: Path, storage: Path) -> dict:
@@ -143,14 +158,25 @@ def run_baseline(config: Path, storage: Path) -> dict:
         plain_chain.train_stage = original_loop
     fits = [(s["fit_start"], s["fit_end"]) for s in out["stages"]]
     stage_s = [s["wall_s"] for s in out["stages"]]
-    return {"wall": wall, "fits": [b - a for a, b in fits], "stages": stage_s, "phases": _phases(fits, log_path), "accuracy": out["test_accuracy"]}
+    return {
+        "wall": wall,
+        "fits": [b - a for a, b in fits],
+        "stages": stage_s,
+        "phases": _phases(fits, log_path),
+        "accuracy": out["test_accuracy"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each (alternating)")
-    parser.add_argument("--feature-cache", choices=["auto", "on", "off"], default="off", help="freeze.cache_features of every stage after the first (default off: the P2 target)")
+    parser.add_argument(
+        "--feature-cache",
+        choices=["auto", "on", "off"],
+        default="off",
+        help="freeze.cache_features of every stage after the first (default off: the P2 target)",
+    )
     args = parser.parse_args(argv)
 
     os.environ.pop("RAY_ADDRESS", None)
@@ -167,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=2, runtime_env={"env_vars": env}, log_to_driver=False, include_dashboard=False)
     init_s = time.perf_counter() - t0
     try:
-        plan = ", ".join(f"{s.name} {s.model.type} {s.train.epochs} ep x {s.scaling.num_workers} worker(s)" for s in cfg.stages)
-        print(f"bench_pipeline: {args.config.name} ({plan}); ray {ray.__version__}, ray.init(num_cpus=2) once ({init_s:.1f} s, not timed), "
-              f"env {env}; cascade-ray feature cache {args.feature_cache}; {args.repeats} runs each, alternating, medians", flush=True)
+        plan = ", ".join(
+            f"{s.name} {s.model.type} {s.train.epochs} ep x {s.scaling.num_workers} worker(s)" for s in cfg.stages
+        )
+        print(
+            f"bench_pipeline: {args.config.name} ({plan}); ray {ray.__version__}, ray.init(num_cpus=2) once ({init_s:.1f} s, not timed), "
+            f"env {env}; cascade-ray feature cache {args.feature_cache}; {args.repeats} runs each, alternating, medians",
+            flush=True,
+        )
         t0 = time.perf_counter()
         _warm_up()
         print(f"  warm-up no-op fit (not timed): {time.perf_counter() - t0:.1f} s", flush=True)
@@ -179,34 +210,50 @@ def main(argv: list[str] | None = None) -> int:
             for kind in order:
                 storage = root / f"{rep}-{kind}"
                 storage.mkdir()
-                r = run_candidate(args.config, storage, cache) if kind == "candidate" else run_baseline(args.config, storage)
+                r = (
+                    run_candidate(args.config, storage, cache)
+                    if kind == "candidate"
+                    else run_baseline(args.config, storage)
+                )
                 runs[kind].append(r)
-                print(f"  repeat {rep + 1} {kind}: {r['wall']:.1f} s (stages {', '.join(f'{s:.1f}' for s in r['stages'])}; "
-                      f"test accuracy {r['accuracy']:.3f})", flush=True)
+                print(
+                    f"  repeat {rep + 1} {kind}: {r['wall']:.1f} s (stages {', '.join(f'{s:.1f}' for s in r['stages'])}; "
+                    f"test accuracy {r['accuracy']:.3f})",
+                    flush=True,
+                )
         cand = statistics.median(r["wall"] for r in runs["candidate"])
         base = statistics.median(r["wall"] for r in runs["baseline"])
         print(f"plain chain (TorchTrainer + checkpoint dirs) wall time: {base:.1f} s (1.000 vs baseline)")
         print(f"run_pipeline wall time: {cand:.1f} s ({cand / base:.3f} vs baseline)")
+
         def med(kind: str, fn) -> float:
             return statistics.median(fn(r) for r in runs[kind])
 
         for i, stage in enumerate(cfg.stages):
             parts = []
             for kind, label in (("baseline", "plain"), ("candidate", "run_pipeline")):
-                ph = {k: med(kind, lambda r, k=k: r["phases"][i][k]) for k in ("startup", "loop", "teardown")}
-                after = med(kind, lambda r: r["stages"][i] - r["fits"][i])
-                parts.append(f"{label} fit {med(kind, lambda r: r['fits'][i]):.1f} s (start-up {ph['startup']:.1f}, loop {ph['loop']:.1f}, "
-                             f"teardown {ph['teardown']:.1f}) + after fit {after:.2f} s")
+                ph = {k: med(kind, lambda r, k=k, i=i: r["phases"][i][k]) for k in ("startup", "loop", "teardown")}
+                after = med(kind, lambda r, i=i: r["stages"][i] - r["fits"][i])
+                parts.append(
+                    f"{label} fit {med(kind, lambda r, i=i: r['fits'][i]):.1f} s (start-up {ph['startup']:.1f}, loop {ph['loop']:.1f}, "
+                    f"teardown {ph['teardown']:.1f}) + after fit {after:.2f} s"
+                )
             print(f"  stage {stage.name}: " + "; ".join(parts))
         outside = [r["wall"] - sum(r["stages"]) for r in runs["candidate"]]
         b_outside = [r["wall"] - sum(r["stages"]) for r in runs["baseline"]]
-        print(f"  outside the stages (data, checks, put; test evaluation, summary, reports): run_pipeline {statistics.median(outside):.2f} s, "
-              f"plain chain {statistics.median(b_outside):.2f} s")
+        print(
+            f"  outside the stages (data, checks, put; test evaluation, summary, reports): run_pipeline {statistics.median(outside):.2f} s, "
+            f"plain chain {statistics.median(b_outside):.2f} s"
+        )
         ratio = cand / base
         if args.feature_cache == "off":
-            print(f"P2 target: run_pipeline wall time <= 1.0 x plain chain: {ratio:.3f} -> {'met' if ratio <= 1.0 else 'NOT met'}")
+            print(
+                f"P2 target: run_pipeline wall time <= 1.0 x plain chain: {ratio:.3f} -> {'met' if ratio <= 1.0 else 'NOT met'}"
+            )
         else:
-            print(f"P2 with the feature cache {args.feature_cache}: run_pipeline / plain chain wall time {ratio:.3f} (the target is stated without the cache)")
+            print(
+                f"P2 with the feature cache {args.feature_cache}: run_pipeline / plain chain wall time {ratio:.3f} (the target is stated without the cache)"
+            )
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)

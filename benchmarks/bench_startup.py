@@ -54,7 +54,10 @@ def leftovers(wait_s: float = 10.0) -> tuple[int, int]:
     deadline = time.time() + wait_s
     while True:
         pgs = len(list_placement_groups(filters=[("state", "=", "CREATED")], raise_on_missing_output=False))
-        cleaners = sum(a.class_name == "PlacementGroupCleaner" for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False))
+        cleaners = sum(
+            a.class_name == "PlacementGroupCleaner"
+            for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+        )
         if (pgs == 0 and cleaners == 0) or time.time() > deadline:
             return pgs, cleaners
         time.sleep(0.5)
@@ -75,7 +78,10 @@ def main() -> int:
     env = apply_ray_env_defaults()
     ray.init(num_cpus=2, runtime_env={"env_vars": env}, log_to_driver=False, logging_level="ERROR")
     storage = tempfile.mkdtemp(prefix="bench-startup-")
-    print(f"bench_startup: no-op fit, {args.workers} worker(s) x {2 / args.workers:g} CPU; ray {ray.__version__}, ray.init(num_cpus=2), env {env}; {args.repeats} fits each, alternating, after 1 untimed fit each; medians", flush=True)
+    print(
+        f"bench_startup: no-op fit, {args.workers} worker(s) x {2 / args.workers:g} CPU; ray {ray.__version__}, ray.init(num_cpus=2), env {env}; {args.repeats} fits each, alternating, after 1 untimed fit each; medians",
+        flush=True,
+    )
     kinds = {"TorchTrainer": TorchTrainer, "StageTrainer": StageTrainer}
     runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     try:
@@ -97,9 +103,13 @@ def main() -> int:
     med = {k: [statistics.median(x[j] for x in v) for j in range(3)] for k, v in runs.items()}
     base, cand = med["TorchTrainer"], med["StageTrainer"]
     print(f"after all fits: {pgs} placement group(s) left, {cleaners} PlacementGroupCleaner actor(s) alive")
-    for j, what in enumerate(["fit wall time", "start-up (fit() -> loop starts)", "teardown (loop returns -> fit() returns)"]):
+    for j, what in enumerate(
+        ["fit wall time", "start-up (fit() -> loop starts)", "teardown (loop returns -> fit() returns)"]
+    ):
         print(f"TorchTrainer {what}: {base[j]:.2f} s (1.000 vs baseline)")
-        print(f"StageTrainer {what}: {cand[j]:.2f} s ({cand[j] / base[j]:.3f} vs baseline; {base[j] - cand[j]:+.2f} s saved)")
+        print(
+            f"StageTrainer {what}: {cand[j]:.2f} s ({cand[j] / base[j]:.3f} vs baseline; {base[j] - cand[j]:+.2f} s saved)"
+        )
     return 0 if pgs == 0 and cleaners == 0 else 1
 
 

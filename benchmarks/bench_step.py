@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ListReporter  # noqa: E402
+from common import ListReporter
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "pipelines" / "configs" / "three_stage.yaml"
@@ -98,7 +98,9 @@ def run_candidate(cfg, data) -> _Clock:
     reporter = ListReporter()
     w0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines still get formatted
-        outcome = run_stage(cfg, INDEX, data, None, reporter, torch.device("cpu"), hooks=LoopHooks(after_optimizer_step=after_step))
+        outcome = run_stage(
+            cfg, INDEX, data, None, reporter, torch.device("cpu"), hooks=LoopHooks(after_optimizer_step=after_step)
+        )
     clock.call_wall, clock.call_cpu = time.perf_counter() - w0, time.process_time() - c0
     clock.samples = sum(sum(sizes[: last + 1]) for last in counts.values())
     clock.final_loss = float(np.float32(reporter.reports[-1]["train_loss"]))
@@ -113,14 +115,18 @@ def run_baseline(cfg, data) -> _Clock:
 
     stage = cfg.stages[INDEX]
     train, solver, aug = stage.train, stage.solver, stage.train.augment
-    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if solver.precision == "bf16" else contextlib.nullcontext
+    amp = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if solver.precision == "bf16" else contextlib.nullcontext
+    )
     clock = _Clock()
     w0, c0 = time.perf_counter(), time.process_time()
     model, _ = build_stage_model(cfg, INDEX, data, None)  # seeds torch like run_stage does
     head = stage.name
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=solver.lr, weight_decay=solver.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=solver.lr, weight_decay=solver.weight_decay
+    )
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     n = len(data.y_train)
     total = min(train.epochs * math.ceil(n / train.batch_size), train.max_steps)
@@ -168,7 +174,9 @@ def run_baseline(cfg, data) -> _Clock:
                 cols = (ox + torch.arange(w))[:, None, None, :]
                 x = padded[torch.arange(b)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
             with amp():  # the stage's precision (bf16 autocast in the demo config), forward and loss
-                loss = stage.loss.scale * F.cross_entropy(model(x, heads=[head])[head], y, label_smoothing=stage.loss.label_smoothing)
+                loss = stage.loss.scale * F.cross_entropy(
+                    model(x, heads=[head])[head], y, label_smoothing=stage.loss.label_smoothing
+                )
             loss.backward()
             optimizer.step()
             step += 1
@@ -207,18 +215,26 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, [f"stages[{INDEX}].train.max_steps={args.max_steps}"])
     data = load_data(cfg.data, cfg.seed)
     stage = cfg.stages[INDEX]
-    print(f"bench_step: {args.config.name} stage {stage.name} ({stage.model.type}), {data.source}: {len(data.y_train)} train / {len(data.y_val)} val, "
-          f"batch {stage.train.batch_size}, {args.max_steps} steps per run, {args.repeats} interleaved repeats + 1 warm-up each, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), cpu", flush=True)
+    print(
+        f"bench_step: {args.config.name} stage {stage.name} ({stage.model.type}), {data.source}: {len(data.y_train)} train / {len(data.y_val)} val, "
+        f"batch {stage.train.batch_size}, {args.max_steps} steps per run, {args.repeats} interleaved repeats + 1 warm-up each, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), cpu",
+        flush=True,
+    )
     run_candidate(cfg, data), run_baseline(cfg, data)  # warm-up (allocator, lazy init): not measured
     cand: list[_Clock] = []
     base: list[_Clock] = []
     for rep in range(args.repeats):
-        pair = (("c", run_candidate), ("b", run_baseline)) if rep % 2 == 0 else (("b", run_baseline), ("c", run_candidate))
+        pair = (
+            (("c", run_candidate), ("b", run_baseline)) if rep % 2 == 0 else (("b", run_baseline), ("c", run_candidate))
+        )
         for kind, fn in pair:
             (cand if kind == "c" else base).append(fn(cfg, data))
         c, b = cand[-1].steady(), base[-1].steady()
-        print(f"  repeat {rep + 1}: run_stage {c[0] / c[1]:.0f} samples/s, bare {b[0] / b[1]:.0f} samples/s (wall, steady)", flush=True)
+        print(
+            f"  repeat {rep + 1}: run_stage {c[0] / c[1]:.0f} samples/s, bare {b[0] / b[1]:.0f} samples/s (wall, steady)",
+            flush=True,
+        )
 
     def rate(clocks: list[_Clock], how: str) -> list[float]:
         if how == "wall":
@@ -228,15 +244,25 @@ def main(argv: list[str] | None = None) -> int:
         return [k.samples / k.call_wall for k in clocks]
 
     same = all(c.final_loss == b.final_loss for c, b in zip(cand, base))
-    print(f"identical work check: final train loss run_stage {cand[-1].final_loss:.6f}, bare {base[-1].final_loss:.6f} ({'bit-identical' if same else 'DIFFERENT'})")
-    for label, how in (("step throughput (wall)", "wall"), ("step throughput (CPU time)", "cpu"), ("whole call incl. setup/validation/report (wall)", "call")):
+    print(
+        f"identical work check: final train loss run_stage {cand[-1].final_loss:.6f}, bare {base[-1].final_loss:.6f} ({'bit-identical' if same else 'DIFFERENT'})"
+    )
+    for label, how in (
+        ("step throughput (wall)", "wall"),
+        ("step throughput (CPU time)", "cpu"),
+        ("whole call incl. setup/validation/report (wall)", "call"),
+    ):
         rc, rb = rate(cand, how), rate(base, how)
         ratios = [c / b for c, b in zip(rc, rb)]
         spread = f"ratios {min(ratios):.3f}..{max(ratios):.3f}"
         print(f"bare loop {label}: {statistics.median(rb):.0f} samples/s (1.000 vs baseline)")
-        print(f"run_stage {label}: {statistics.median(rc):.0f} samples/s ({statistics.median(ratios):.3f} vs baseline; median of per-repeat ratios, {spread})")
+        print(
+            f"run_stage {label}: {statistics.median(rc):.0f} samples/s ({statistics.median(ratios):.3f} vs baseline; median of per-repeat ratios, {spread})"
+        )
     ratio = statistics.median(c / b for c, b in zip(rate(cand, "wall"), rate(base, "wall")))
-    print(f"P1 target: run_stage step throughput >= 0.97 x bare loop: {ratio:.3f} -> {'met' if ratio >= 0.97 else 'NOT met'}")
+    print(
+        f"P1 target: run_stage step throughput >= 0.97 x bare loop: {ratio:.3f} -> {'met' if ratio >= 0.97 else 'NOT met'}"
+    )
     return 0
 
 

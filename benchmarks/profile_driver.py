@@ -57,16 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     stages.StageSession.finish = timed("finish", stages.StageSession.finish)
     stages.StageSession.feature_cache = timed("feature_cache", stages.StageSession.feature_cache)
 
-    ray.init(num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()}, log_to_driver=False, include_dashboard=False)
+    ray.init(
+        num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()}, log_to_driver=False, include_dashboard=False
+    )
     try:
         for run in range(args.runs):
-            cfg = load_config(args.config, [f"storage_path={tempfile.mkdtemp(prefix='profile-driver-')}", *args.overrides])
+            cfg = load_config(
+                args.config, [f"storage_path={tempfile.mkdtemp(prefix='profile-driver-')}", *args.overrides]
+            )
             seconds.clear()
             t0 = time.perf_counter()
             driver.run_pipeline(cfg, log=lambda _: None)
             total = time.perf_counter() - t0
             pieces = ", ".join(f"{k} {v:.2f}" for k, v in seconds.items())
-            print(f"run {run + 1}: total {total:.2f} s; {pieces}; outside fits {total - seconds.get('fit_stage', 0.0):.2f} s", flush=True)
+            print(
+                f"run {run + 1}: total {total:.2f} s; {pieces}; outside fits {total - seconds.get('fit_stage', 0.0):.2f} s",
+                flush=True,
+            )
     finally:
         ray.shutdown()
     return 0

@@ -1,11 +1,11 @@
 """``cascade-ray``: validate a config, or run a pipeline.
 
-    cascade-ray validate pipelines/configs/three_stage.yaml stages[0].solver.lr=3e-4
-    cascade-ray run pipelines/configs/debug.yaml --address 127.0.0.1:6379
-    cascade-ray run pipelines/configs/debug.yaml --profile encoder --log-level debug
-    cascade-ray submit pipelines/configs/debug.yaml storage_path=s3://bucket/runs --address http://127.0.0.1:8265
-    cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--json]
-    cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
+cascade-ray validate pipelines/configs/three_stage.yaml stages[0].solver.lr=3e-4
+cascade-ray run pipelines/configs/debug.yaml --address 127.0.0.1:6379
+cascade-ray run pipelines/configs/debug.yaml --profile encoder --log-level debug
+cascade-ray submit pipelines/configs/debug.yaml storage_path=s3://bucket/runs --address http://127.0.0.1:8265
+cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--json]
+cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
 """
 
 from __future__ import annotations
@@ -19,15 +19,24 @@ from cascade_ray.errors import CascadeError
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="pipeline YAML file")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. stages[0].solver.lr=3e-4 or stages.encoder.train.epochs=2")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="overrides, e.g. stages[0].solver.lr=3e-4 or stages.encoder.train.epochs=2",
+    )
 
 
 def _add_log_level(p: argparse.ArgumentParser) -> None:
     from cascade_ray.logs import LOG_LEVELS
 
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                   help="info (default): cascade-ray's lines and progress, Ray's own log lines hidden (errors still shown); "
-                   "debug: everything Ray prints too; warning: no progress display, only warnings and errors from workers")
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="info (default): cascade-ray's lines and progress, Ray's own log lines hidden (errors still shown); "
+        "debug: everything Ray prints too; warning: no progress display, only warnings and errors from workers",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train every stage of a config")
     _add_config_args(p)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
-    p.add_argument("--resume", action="store_true", help="reuse stage artifacts whose fingerprint matches and whose digests verify")
-    p.add_argument("--profile", nargs="?", const="all", default=None, metavar="STAGE",
-                   help="torch.profiler trace of a few steps (skip 2, warm up 2, record 5) of STAGE (comma-separated names; alone: every stage), "
-                   "written to {run}/profile/<stage>.trace.json, top operators printed")
+    p.add_argument(
+        "--resume", action="store_true", help="reuse stage artifacts whose fingerprint matches and whose digests verify"
+    )
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="STAGE",
+        help="torch.profiler trace of a few steps (skip 2, warm up 2, record 5) of STAGE (comma-separated names; alone: every stage), "
+        "written to {run}/profile/<stage>.trace.json, top operators printed",
+    )
     _add_log_level(p)
     p = sub.add_parser("tune", help="sweep one stage with Ray Tune on top of the trained (or reused) upstream")
     _add_config_args(p)
@@ -49,39 +66,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
     _add_log_level(p)
-    p = sub.add_parser("submit", help="check a config here, then run its pipeline as a Ray job on a cluster and follow the logs (exit 0 SUCCEEDED, 1 FAILED)")
+    p = sub.add_parser(
+        "submit",
+        help="check a config here, then run its pipeline as a Ray job on a cluster and follow the logs (exit 0 SUCCEEDED, 1 FAILED)",
+    )
     _add_config_args(p)
     from cascade_ray.jobs import add_submit_args
 
     add_submit_args(p)
-    p = sub.add_parser("diagnose", help="run one stage in-process for a few steps (no Ray): solver, lr plan, gradients, updates, verdict (exit 0 healthy, 1 alarms)")
+    p = sub.add_parser(
+        "diagnose",
+        help="run one stage in-process for a few steps (no Ray): solver, lr plan, gradients, updates, verdict (exit 0 healthy, 1 alarms)",
+    )
     _add_config_args(p)
     p.add_argument("--stage", required=True, help="stage name")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps to run (default 20)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--profile", action="store_true", help="torch.profiler trace of steps 5-9 to profile/<stage>.trace.json, top operators in the report")
-    p.add_argument("--upstream", default=None, help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)")
-    p = sub.add_parser("lr-find", help="exponential lr range test of one stage (no Ray); writes a PNG and prints the suggested lr")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler trace of steps 5-9 to profile/<stage>.trace.json, top operators in the report",
+    )
+    p.add_argument(
+        "--upstream",
+        default=None,
+        help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized",
+    )
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)"
+    )
+    p = sub.add_parser(
+        "lr-find", help="exponential lr range test of one stage (no Ray); writes a PNG and prints the suggested lr"
+    )
     _add_config_args(p)
     p.add_argument("--stage", required=True, help="stage name")
     p.add_argument("--out", default=None, help="PNG path (default lr_find_<stage>.png)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of the test (default 200)")
     p.add_argument("--start-lr", type=float, default=1e-7, help="first lr (default 1e-7)")
     p.add_argument("--end-lr", type=float, default=10.0, help="last lr (default 10)")
-    p.add_argument("--upstream", default=None, help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)")
-    p = sub.add_parser("report", help="PNG curves per stage, the composed model's confusion matrix and report.md of a finished run")
+    p.add_argument(
+        "--upstream",
+        default=None,
+        help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized",
+    )
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)"
+    )
+    p = sub.add_parser(
+        "report", help="PNG curves per stage, the composed model's confusion matrix and report.md of a finished run"
+    )
     p.add_argument("run_dir", help="a finished run: {storage_path}/{name}")
     p = sub.add_parser("export", help="export a finished run's composed model and check parity against eager")
     p.add_argument("run_dir", help="a finished run: {storage_path}/{name}")
-    p.add_argument("--format", choices=["torchscript", "onnx"], default="torchscript", help="export format (default torchscript)")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="also report the test-accuracy change of dynamic int8 quantization")
+    p.add_argument(
+        "--format", choices=["torchscript", "onnx"], default="torchscript", help="export format (default torchscript)"
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="also report the test-accuracy change of dynamic int8 quantization",
+    )
     sub.add_parser("ls", help="list the shipped configs and search spaces")
     p = sub.add_parser("cp", help="copy a shipped config or space to edit it")
     p.add_argument("name", help="a name from `cascade-ray ls`")
     p.add_argument("dest", help="file or folder")
-    p = sub.add_parser("doctor", help="check versions, devices, cluster, storage and shared memory (exit 1 on a blocking problem)")
+    p = sub.add_parser(
+        "doctor", help="check versions, devices, cluster, storage and shared memory (exit 1 on a blocking problem)"
+    )
     p.add_argument("--address", default=None, help="Ray cluster to check (default: RAY_ADDRESS; none: skip)")
     p.add_argument("--storage", default=None, help="storage_path to check for writability (default ~/cascade-ray-runs)")
     return parser
@@ -126,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if isinstance(getattr(args, "profile", None), str) and "=" in args.profile:  # `run CONFIG --profile key=value`: an override, not a stage
+    if (
+        isinstance(getattr(args, "profile", None), str) and "=" in args.profile
+    ):  # `run CONFIG --profile key=value`: an override, not a stage
         args.overrides, args.profile = [*args.overrides, args.profile], "all"
     from cascade_ray.config import load_config
 
@@ -144,11 +198,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diagnose":
             from cascade_ray.health.tools import diagnose_command
 
-            return diagnose_command(cfg, args.stage, steps=args.steps, as_json=args.json, upstream=args.upstream, device=args.device, profile=args.profile)
+            return diagnose_command(
+                cfg,
+                args.stage,
+                steps=args.steps,
+                as_json=args.json,
+                upstream=args.upstream,
+                device=args.device,
+                profile=args.profile,
+            )
         if args.command == "lr-find":
             from cascade_ray.health.tools import lr_find_command
 
-            return lr_find_command(cfg, args.stage, out=args.out, steps=args.steps, start_lr=args.start_lr, end_lr=args.end_lr, upstream=args.upstream, device=args.device)
+            return lr_find_command(
+                cfg,
+                args.stage,
+                out=args.out,
+                steps=args.steps,
+                start_lr=args.start_lr,
+                end_lr=args.end_lr,
+                upstream=args.upstream,
+                device=args.device,
+            )
         from cascade_ray.logs import set_log_level
         from cascade_ray.pipeline.driver import run_pipeline
 

@@ -22,6 +22,7 @@ RAY_ENV_DEFAULTS: dict[str, str] = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 
+
 def apply_ray_env_defaults() -> dict[str, str]:
     """Set the Ray env defaults in this process (user values win); return what is in force,
     with ``LOG_LEVEL_ENV`` when ``--log-level`` set it."""

@@ -56,7 +56,13 @@ def check_devices() -> list[Check]:
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
         out += [("ok", "cuda", f"{torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}: {names}")]
-        out.append(("ok" if torch.cuda.is_bf16_supported() else "warn", "bf16", "supported" if torch.cuda.is_bf16_supported() else "not supported: use precision fp16 or fp32"))
+        out.append(
+            (
+                "ok" if torch.cuda.is_bf16_supported() else "warn",
+                "bf16",
+                "supported" if torch.cuda.is_bf16_supported() else "not supported: use precision fp16 or fp32",
+            )
+        )
     else:
         out.append(("ok", "cuda", f"none (torch {torch.__version__}); stages run on CPU with gloo"))
     return out
@@ -104,13 +110,17 @@ def check_cluster(address: str | None) -> list[Check]:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-    shown = ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU", "memory") or not k.startswith("node:"))
+    shown = ", ".join(
+        f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU", "memory") or not k.startswith("node:")
+    )
     return [("ok", "cluster", f"{target}: {nodes} node(s); {shown}")]
 
 
 def run_doctor(*, address: str | None = None, storage: str | None = None, write: Callable[[str], None] = print) -> int:
     """Run every check; print one line each; 1 if any FAILs."""
-    checks = check_packages() + check_devices() + check_shared_memory() + check_storage(storage) + check_cluster(address)
+    checks = (
+        check_packages() + check_devices() + check_shared_memory() + check_storage(storage) + check_cluster(address)
+    )
     for status, name, detail in checks:
         write(f"{status:<4}  {name:<13} {detail}")
     failed = [name for status, name, _ in checks if status == "FAIL"]

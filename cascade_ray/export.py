@@ -49,7 +49,9 @@ def load_composed(run: str | Path) -> tuple[ComposedClassifier, Any]:
     """The composed model of a finished run (verified artifact) and the run's data splits."""
     run = Path(run).expanduser()
     if not (run / CONFIG_FILE).is_file() or not (run / "summary.json").is_file():
-        raise CascadeError(f"{run} is not a finished run (no {CONFIG_FILE} / summary.json): pass {{storage_path}}/{{name}}")
+        raise CascadeError(
+            f"{run} is not a finished run (no {CONFIG_FILE} / summary.json): pass {{storage_path}}/{{name}}"
+        )
     cfg = load_config(run / CONFIG_FILE)
     summary = json.loads((run / "summary.json").read_text())
     _, state = read_artifact(summary["stages"][-1]["artifact"])
@@ -72,7 +74,13 @@ def _quantizable_linears(model: nn.Module) -> tuple[set[str], int]:
     nn.TransformerEncoderLayer reads ``linear.weight`` as a tensor in its forward; a
     dynamically quantized Linear turns it into a method, so those stay fp32.
     """
-    inside = {f"{name}.{sub}" for name, m in model.named_modules() if isinstance(m, nn.TransformerEncoderLayer) for sub, _ in m.named_modules() if sub}
+    inside = {
+        f"{name}.{sub}"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.TransformerEncoderLayer)
+        for sub, _ in m.named_modules()
+        if sub
+    }
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     return linears - inside, len(linears & inside)
 
@@ -125,14 +133,32 @@ def export_run(run: str | Path, fmt: str, quantize: str | None = None) -> dict[s
 def _export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> str:
     """torch.export-based ONNX export, falling back to the TorchScript-based exporter."""
     try:
-        torch.onnx.export(model, (example,), str(path), input_names=["images"], output_names=["logits"], dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True)
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            dynamo=True,
+        )
         return "dynamo"
     except Exception:  # noqa: BLE001 - some user modules do not trace with torch.export
-        torch.onnx.export(model, (example,), str(path), input_names=["images"], output_names=["logits"], dynamic_axes={"images": {0: "batch"}}, dynamo=False)
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_axes={"images": {0: "batch"}},
+            dynamo=False,
+        )
         return "torchscript"
 
 
-def _onnxruntime_parity(path: Path, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+def _onnxruntime_parity(
+    path: Path, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, Any]:
     try:
         import onnxruntime as ort
     except ImportError:

@@ -24,10 +24,22 @@ DEFAULT_SCRIPT = "pipelines/three_stage.py"
 
 def add_submit_args(p: argparse.ArgumentParser) -> None:
     """Options of ``cascade-ray submit`` (after the config and its overrides)."""
-    p.add_argument("--address", default=None, help="the cluster's job API, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS)")
-    p.add_argument("--working-dir", default=".", help="folder uploaded as the job's working dir, .rayignore/.gitignore honoured (default: %(default)s, the repo root)")
-    p.add_argument("--script", default=DEFAULT_SCRIPT, help="pipeline script, relative to the working dir (default: %(default)s)")
-    p.add_argument("--resume", action="store_true", help="pass --resume to the pipeline: reuse stage artifacts already in storage_path")
+    p.add_argument(
+        "--address", default=None, help="the cluster's job API, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS)"
+    )
+    p.add_argument(
+        "--working-dir",
+        default=".",
+        help="folder uploaded as the job's working dir, .rayignore/.gitignore honoured (default: %(default)s, the repo root)",
+    )
+    p.add_argument(
+        "--script", default=DEFAULT_SCRIPT, help="pipeline script, relative to the working dir (default: %(default)s)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="pass --resume to the pipeline: reuse stage artifacts already in storage_path",
+    )
     p.add_argument("--no-wait", action="store_true", help="print the job id and return instead of following the logs")
 
 
@@ -44,16 +56,47 @@ def job_entrypoint(args: argparse.Namespace, storage_path: str) -> tuple[str, st
     address = args.address or os.environ.get("RAY_ADDRESS")
     issues = []
     if not (workdir / args.script).is_file():
-        issues.append(ConfigIssue("--script", f"{workdir / args.script} does not exist", "give the pipeline script's path inside --working-dir"))
+        issues.append(
+            ConfigIssue(
+                "--script",
+                f"{workdir / args.script} does not exist",
+                "give the pipeline script's path inside --working-dir",
+            )
+        )
     if not config.is_relative_to(workdir):
-        issues.append(ConfigIssue("config", f"{config} is outside the working dir {workdir}, so the job would not get it", "move it under the working dir, or pass --working-dir"))
+        issues.append(
+            ConfigIssue(
+                "config",
+                f"{config} is outside the working dir {workdir}, so the job would not get it",
+                "move it under the working dir, or pass --working-dir",
+            )
+        )
     if parse_uri(storage_path) is None and not storage_path.startswith(("/", "~")):
-        issues.append(ConfigIssue("storage_path", f"relative path {storage_path!r} would land in the job's temporary working dir", "give an absolute path on shared storage, or s3://bucket/prefix, gs://bucket/prefix"))
+        issues.append(
+            ConfigIssue(
+                "storage_path",
+                f"relative path {storage_path!r} would land in the job's temporary working dir",
+                "give an absolute path on shared storage, or s3://bucket/prefix, gs://bucket/prefix",
+            )
+        )
     if not address:
-        issues.append(ConfigIssue("--address", "no job API address", "pass --address http://HEAD:8265 or export RAY_ADDRESS (cluster/local_head.sh start prints it)"))
+        issues.append(
+            ConfigIssue(
+                "--address",
+                "no job API address",
+                "pass --address http://HEAD:8265 or export RAY_ADDRESS (cluster/local_head.sh start prints it)",
+            )
+        )
     if issues:
         raise ConfigError(issues, source="cascade-ray submit")
-    argv = ["python", args.script, "--config", str(config.relative_to(workdir)), *args.overrides, *(["--resume"] if args.resume else [])]
+    argv = [
+        "python",
+        args.script,
+        "--config",
+        str(config.relative_to(workdir)),
+        *args.overrides,
+        *(["--resume"] if args.resume else []),
+    ]
     return shlex.join(argv), address, workdir
 
 
@@ -69,7 +112,9 @@ def submit(args: argparse.Namespace, storage_path: str) -> int:
 
     entrypoint, address, workdir = job_entrypoint(args, storage_path)
     client = JobSubmissionClient(address)  # token auth: RAY_AUTH_MODE=token + RAY_AUTH_TOKEN(_PATH)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(workdir), "env_vars": apply_ray_env_defaults()})
+    job_id = client.submit_job(
+        entrypoint=entrypoint, runtime_env={"working_dir": str(workdir), "env_vars": apply_ray_env_defaults()}
+    )
     print(f"submitted job {job_id} to {address}: {entrypoint}", flush=True)
     if args.no_wait:
         return 0
@@ -79,6 +124,6 @@ def submit(args: argparse.Namespace, storage_path: str) -> int:
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 
-async def _follow(client, job_id: str) -> None:  # noqa: ANN001 - a JobSubmissionClient
+async def _follow(client, job_id: str) -> None:
     async for lines in client.tail_job_logs(job_id):
         print(lines, end="", flush=True)

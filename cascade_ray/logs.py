@@ -32,12 +32,16 @@ from cascade_ray.errors import ConfigError, ConfigIssue
 LOG_LEVELS = ("debug", "info", "warning")
 
 # Ray Train / Tune machinery; their lines are Ray's business unless --log-level debug
-_RAY_ACTORS = re.compile(r"(TrainController|PlacementGroupCleaner|SynchronizationActor|TrainStateActor|PreemptionWatcher|DatasetManager|_PackActor)\b")
+_RAY_ACTORS = re.compile(
+    r"(TrainController|PlacementGroupCleaner|SynchronizationActor|TrainStateActor|PreemptionWatcher|DatasetManager|_PackActor)\b"
+)
 # Ray's own log format (ray_constants.LOGGER_FORMAT): "2026-01-01 10:00:00,123\tINFO file.py:12 -- message"
 _RAY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(DEBUG|INFO|WARNING)\s+\S+:\d+ -- ")
 # Ray Train's INFO lines on workers that bypass LoggingConfig (Ray 2.60 logs "Reporting training
 # result" through logging.getLogger(__file__), i.e. the root logger)
-_RAY_TRAIN_CHATTER = re.compile(r"^(Reporting training result \d+: |Checkpoint successfully created at: |Setting up process group for: |Wrapping provided model in )")
+_RAY_TRAIN_CHATTER = re.compile(
+    r"^(Reporting training result \d+: |Checkpoint successfully created at: |Setting up process group for: |Wrapping provided model in )"
+)
 # rank 0's informational lines: "[stage] resumed ...", "[stage] val_loss plateaued ...", progress
 _OWN_INFO = re.compile(r"^\[[\w.-]+\] ")
 
@@ -48,14 +52,18 @@ def log_level() -> str:
     """The level in force: ``LOG_LEVEL_ENV`` (set by :func:`set_log_level`, passed to Ray processes), default info."""
     level = os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL)
     if level not in LOG_LEVELS:
-        raise ConfigError([ConfigIssue(LOG_LEVEL_ENV, f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")])
+        raise ConfigError(
+            [ConfigIssue(LOG_LEVEL_ENV, f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")]
+        )
     return level
 
 
 def set_log_level(level: str) -> None:
     """Make `level` the level of this driver and of the Ray processes it starts (before ``ray.init``)."""
     if level not in LOG_LEVELS:
-        raise ConfigError([ConfigIssue("--log-level", f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")])
+        raise ConfigError(
+            [ConfigIssue("--log-level", f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")]
+        )
     os.environ[LOG_LEVEL_ENV] = level
     logging.getLogger("ray").setLevel(ray_logging_level(level))
 
@@ -105,8 +113,13 @@ def install_worker_filter(level: str | None = None) -> bool:
         from ray._private import worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-        original = functools.partial(ray_worker.print_to_stdstream, ignore_prefix=ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker))
-        if not any(name == "ray_print_logs" for name, _ in dispatcher.handlers):  # log_to_driver=False: nothing to filter
+        original = functools.partial(
+            ray_worker.print_to_stdstream,
+            ignore_prefix=ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker),
+        )
+        if not any(
+            name == "ray_print_logs" for name, _ in dispatcher.handlers
+        ):  # log_to_driver=False: nothing to filter
             return False
     except Exception:  # noqa: BLE001 - private API moved: show everything rather than guess
         return False

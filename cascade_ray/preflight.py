@@ -34,7 +34,7 @@ def data_input_shape(data: DataConfig) -> tuple[int, ...] | None:
         meta = ds.dataset(data.path, format="parquet").schema.metadata or {}
         shape = meta.get(b"cascade_ray.image_shape")
         return tuple(json.loads(shape)) if shape else None
-    except Exception:  # unreadable here: the data loader reports it with its own message
+    except Exception:  # noqa: BLE001 - unreadable here: the data loader reports it with its own message
         return None
 
 
@@ -66,7 +66,9 @@ def require_plans(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: 
 _PLANS: dict[tuple[str, tuple[int, ...], int], list[StagePlan]] = {}
 
 
-def plan_chain(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> tuple[list[StagePlan], list[ConfigIssue]]:
+def plan_chain(
+    cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int
+) -> tuple[list[StagePlan], list[ConfigIssue]]:
     """Per-stage input/output shapes of the chain, computed on the meta device."""
     plans: list[StagePlan] = []
     issues: list[ConfigIssue] = []
@@ -85,22 +87,30 @@ def plan_chain(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int
     return plans, issues
 
 
-def _plan_stage(stage: StageConfig, index: int, in_shape: tuple[int, ...], producer: str, num_classes: int) -> tuple[StagePlan, ConfigIssue | None]:
+def _plan_stage(
+    stage: StageConfig, index: int, in_shape: tuple[int, ...], producer: str, num_classes: int
+) -> tuple[StagePlan, ConfigIssue | None]:
     assert stage.model is not None
     path = f"stages[{index}]"
     try:
         module = build_module(stage.model.type, stage.model.kwargs())
     except Exception as exc:  # noqa: BLE001 - user factories fail in their own words
-        return _fail(stage, in_shape), ConfigIssue(f"{path}.model", f"stage {stage.name!r}: building {stage.model.type} failed: {exc}")
+        return _fail(stage, in_shape), ConfigIssue(
+            f"{path}.model", f"stage {stage.name!r}: building {stage.model.type} failed: {exc}"
+        )
     expected = module_in_width(module)
     got = tensor_width((_PREFLIGHT_BATCH, *in_shape)) if len(in_shape) in (1, 2, 3) else None
     adapter_width = expected if stage.adapter is not None and expected is not None and expected != got else None
     if stage.adapter is not None and expected is None:
         return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.adapter", f"stage {stage.name!r}: the module has no `in_width` attribute, so the adapter's output width is unknown", "give the module an `in_width` attribute"
+            f"{path}.adapter",
+            f"stage {stage.name!r}: the module has no `in_width` attribute, so the adapter's output width is unknown",
+            "give the module an `in_width` attribute",
         )
     if expected is not None and got is not None and expected != got and adapter_width is None:
-        kwarg = next((k for k, v in stage.model.kwargs().items() if k in _WIDTH_KWARGS and v == expected), "in_channels")
+        kwarg = next(
+            (k for k, v in stage.model.kwargs().items() if k in _WIDTH_KWARGS and v == expected), "in_channels"
+        )
         return _fail(stage, in_shape), ConfigIssue(
             f"{path}.model.{kwarg}",
             f"stage {stage.name!r} ({stage.model.type}) expects input width {expected}, but {producer} outputs "
@@ -113,14 +123,17 @@ def _plan_stage(stage: StageConfig, index: int, in_shape: tuple[int, ...], produ
         out = module(adapter(x) if adapter is not None else x)
         out_shape = tuple(out.shape[1:])
         logits = build_head(stage.head, out_shape, num_classes)(out)
-    except Exception as exc:  # user modules fail in their own words: report them with the shapes
+    except Exception as exc:  # noqa: BLE001 - user modules fail in their own words: report them with the shapes
         return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.model", f"stage {stage.name!r} ({stage.model.type}) fails on input shape {_fmt(in_shape)} from {producer}: {exc}",
+            f"{path}.model",
+            f"stage {stage.name!r} ({stage.model.type}) fails on input shape {_fmt(in_shape)} from {producer}: {exc}",
             f"make the module accept {_fmt(in_shape)} or add {path}.adapter",
         )
     if tuple(logits.shape) != (_PREFLIGHT_BATCH, num_classes):
         return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.head.type", f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},) class logits", "use head.type: linear"
+            f"{path}.head.type",
+            f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},) class logits",
+            "use head.type: linear",
         )
     plan = StagePlan(stage.name, in_shape, out_shape, adapter_width)
     if stage.pretrained is not None:
@@ -136,7 +149,7 @@ def pretrained_issue(file: str, module: torch.nn.Module, key: str) -> ConfigIssu
 
     try:
         shapes = read_state_shapes(file)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any unreadable file becomes a config issue naming it
         return ConfigIssue(key, f"cannot read {file!r}: {exc}", "point it at a readable .safetensors or .pt state dict")
     want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     missing = sorted(set(want) - set(shapes))
@@ -144,8 +157,16 @@ def pretrained_issue(file: str, module: torch.nn.Module, key: str) -> ConfigIssu
     wrong = sorted(k for k in set(want) & set(shapes) if want[k] != shapes[k])
     if not (missing or unexpected or wrong):
         return None
-    parts = [f"{label} {len(keys)} (e.g. {keys[0]!r})" for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
-    return ConfigIssue(key, f"state dict in {file!r} does not match the module: {', '.join(parts)}", "save the state dict of this exact module (module.state_dict())")
+    parts = [
+        f"{label} {len(keys)} (e.g. {keys[0]!r})"
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+        if keys
+    ]
+    return ConfigIssue(
+        key,
+        f"state dict in {file!r} does not match the module: {', '.join(parts)}",
+        "save the state dict of this exact module (module.state_dict())",
+    )
 
 
 def _fail(stage: StageConfig, in_shape: tuple[int, ...]) -> StagePlan:

@@ -38,10 +38,20 @@ def check_profile_stages(cfg: PipelineConfig, value: str) -> set[str]:
     if value == "all":
         return set(names)
     wanted = [v.strip() for v in value.split(",") if v.strip()]
-    issues = [ConfigIssue("--profile", f"no stage {w!r}{did_you_mean(w, names)} (stages: {', '.join(names)})", "name a stage, or pass --profile alone for every stage")
-              for w in wanted if w not in names]
+    issues = [
+        ConfigIssue(
+            "--profile",
+            f"no stage {w!r}{did_you_mean(w, names)} (stages: {', '.join(names)})",
+            "name a stage, or pass --profile alone for every stage",
+        )
+        for w in wanted
+        if w not in names
+    ]
     if issues or not wanted:
-        raise ConfigError(issues or [ConfigIssue("--profile", "no stage named", "pass --profile alone for every stage, or --profile STAGE")])
+        raise ConfigError(
+            issues
+            or [ConfigIssue("--profile", "no stage named", "pass --profile alone for every stage, or --profile STAGE")]
+        )
     return set(wanted)
 
 
@@ -71,8 +81,17 @@ class StepProfiler:
         where: said after the trace path (e.g. the node that wrote it).
     """
 
-    def __init__(self, trace_path: str | Path, device: torch.device, stage: str, where: str = "", *,
-                 wait: int = PROFILE_WAIT_STEPS, warmup: int = PROFILE_WARMUP_STEPS, active: int = PROFILE_ACTIVE_STEPS):
+    def __init__(
+        self,
+        trace_path: str | Path,
+        device: torch.device,
+        stage: str,
+        where: str = "",
+        *,
+        wait: int = PROFILE_WAIT_STEPS,
+        warmup: int = PROFILE_WARMUP_STEPS,
+        active: int = PROFILE_ACTIVE_STEPS,
+    ):
         self.path, self.device, self.stage, self.where = Path(trace_path), device, stage, where
         self.wait, self.warmup, self.active = wait, warmup, active
         self.prof: torch.profiler.profile | None = None
@@ -87,7 +106,9 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(
-            activities=activities, schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1), on_trace_ready=self._ready,
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
+            on_trace_ready=self._ready,
         )
         self.prof.start()
 
@@ -107,14 +128,19 @@ class StepProfiler:
         tables = [ops.table(sort_by="self_cpu_time_total", row_limit=TOP_OPERATORS)]
         if self.device.type == "cuda":
             tables.append(ops.table(sort_by="self_cuda_time_total", row_limit=TOP_OPERATORS))
-        self.summary = (f"profile of stage {self.stage!r}: {recorded} optimizer step(s) recorded after {self.wait} skipped and {self.warmup} warm-up; "
-                        f"trace {self.path}{self.where} (open in https://ui.perfetto.dev or chrome://tracing)\n"
-                        f"top {TOP_OPERATORS} operators by self CPU time{' (then by self CUDA time)' if len(tables) > 1 else ''}:\n" + "\n".join(tables))
+        self.summary = (
+            f"profile of stage {self.stage!r}: {recorded} optimizer step(s) recorded after {self.wait} skipped and {self.warmup} warm-up; "
+            f"trace {self.path}{self.where} (open in https://ui.perfetto.dev or chrome://tracing)\n"
+            f"top {TOP_OPERATORS} operators by self CPU time{' (then by self CUDA time)' if len(tables) > 1 else ''}:\n"
+            + "\n".join(tables)
+        )
 
     def finish(self) -> str:
         """Stop the profiler (writing the trace if recording was under way) and return the summary."""
         if self.prof is not None and self.summary is None:
             self.prof.stop()  # mid-recording: torch calls on_trace_ready with what it has
             self.prof = None
-        return self.summary or (f"profile of stage {self.stage!r}: no trace; the stage stopped after {self.steps} optimizer step(s), "
-                                f"and the profiler records steps {self.wait + self.warmup + 1}..{self.wait + self.warmup + self.active}")
+        return self.summary or (
+            f"profile of stage {self.stage!r}: no trace; the stage stopped after {self.steps} optimizer step(s), "
+            f"and the profiler records steps {self.wait + self.warmup + 1}..{self.wait + self.warmup + self.active}"
+        )

@@ -19,8 +19,8 @@ Tune trials run in other processes and see none (their workers print as before).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-
 import math
 import os
 import sys
@@ -84,8 +84,18 @@ class ProgressHook:
         clock: seconds (monotonic); injectable for tests.
     """
 
-    def __init__(self, board: Any, *, stage: str, index: int, stages: int, epochs: int, samples_per_step: int,
-                 interval_s: float = PROGRESS_PUSH_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        board: Any,
+        *,
+        stage: str,
+        index: int,
+        stages: int,
+        epochs: int,
+        samples_per_step: int,
+        interval_s: float = PROGRESS_PUSH_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.board, self.interval_s, self.clock = board, interval_s, clock
         self.fixed = {"stage": stage, "index": index, "stages": stages, "epochs": epochs}
         self.samples_per_step = samples_per_step
@@ -105,9 +115,12 @@ class ProgressHook:
         elapsed, steps = now - self.start[0], state.step - self.start[1]
         rate = steps / elapsed if elapsed > 0 else math.nan  # optimizer steps/s, validation time included
         update = self.fixed | {
-            "epoch": state.epoch + 1, "step": state.step, "total_steps": state.total_steps,
+            "epoch": state.epoch + 1,
+            "step": state.step,
+            "total_steps": state.total_steps,
             "loss": float(state.loss.detach().float().item()) if state.loss is not None else math.nan,
-            "samples_per_s": rate * self.samples_per_step, "eta_s": (state.total_steps - state.step) / rate if rate > 0 else math.nan,
+            "samples_per_s": rate * self.samples_per_step,
+            "eta_s": (state.total_steps - state.step) / rate if rate > 0 else math.nan,
             "log_interval": state.stage.train.log_interval,
         }
         try:
@@ -119,16 +132,24 @@ class ProgressHook:
 def format_progress(update: dict[str, Any]) -> str:
     """One progress line, e.g. ``stage 2/3 encoder | epoch 1/2 | step 12/36 | loss 1.2034 | 5120 samples/s | ETA 3 s``."""
     rate = update.get("samples_per_s", math.nan)
-    return (f"stage {update['index'] + 1}/{update['stages']} {update['stage']} | epoch {update['epoch']}/{update['epochs']} | "
-            f"step {update['step']}/{update['total_steps']} | loss {update['loss']:.4f} | {f'{rate:.0f}' if math.isfinite(rate) else '?'} samples/s | "
-            f"ETA {_duration(update.get('eta_s', math.nan))}")
+    return (
+        f"stage {update['index'] + 1}/{update['stages']} {update['stage']} | epoch {update['epoch']}/{update['epochs']} | "
+        f"step {update['step']}/{update['total_steps']} | loss {update['loss']:.4f} | {f'{rate:.0f}' if math.isfinite(rate) else '?'} samples/s | "
+        f"ETA {_duration(update.get('eta_s', math.nan))}"
+    )
 
 
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     seconds = round(seconds)
-    return f"{seconds} s" if seconds < 60 else f"{seconds // 60}m{seconds % 60:02d}s" if seconds < 3600 else f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+    return (
+        f"{seconds} s"
+        if seconds < 60
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+        if seconds < 3600
+        else f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+    )
 
 
 class ProgressDisplay:
@@ -142,11 +163,23 @@ class ProgressDisplay:
         poll_s: how often the thread polls.
     """
 
-    def __init__(self, fetch: Callable[[int], tuple[int, dict[str, Any] | None, list[str]]], stream: TextIO | None = None, *,
-                 tty: bool | None = None, line_interval_s: float | None = None, poll_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        fetch: Callable[[int], tuple[int, dict[str, Any] | None, list[str]]],
+        stream: TextIO | None = None,
+        *,
+        tty: bool | None = None,
+        line_interval_s: float | None = None,
+        poll_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.fetch, self.stream, self.clock = fetch, stream or sys.stdout, clock
         self.tty = self.stream.isatty() if tty is None else tty
-        self.line_interval_s = line_interval_s if line_interval_s is not None else float(os.environ.get(PROGRESS_LINE_INTERVAL_ENV, PROGRESS_LINE_INTERVAL_S))
+        self.line_interval_s = (
+            line_interval_s
+            if line_interval_s is not None
+            else float(os.environ.get(PROGRESS_LINE_INTERVAL_ENV, PROGRESS_LINE_INTERVAL_S))
+        )
         self.poll_s = poll_s if poll_s is not None else (0.2 if self.tty else 1.0)
         self.lock, self.poll_lock = threading.Lock(), threading.Lock()
         self.version, self.notes_seen, self.live = 0, 0, ""
@@ -166,10 +199,10 @@ class ProgressDisplay:
             # after stop() Ray may be shut down (a poll would start a new one); before the board first
             # answered, a poll would wait for its actor to start (~1 s) and no stage has reported yet
             if not self.tty and not self._stop.is_set() and self._fetched.is_set():
-                try:
-                    self.poll()  # a stage's last update belongs before the driver's line about that stage
-                except Exception:  # noqa: BLE001 - the board is gone; print the line anyway
-                    pass
+                # a stage's last update belongs before the driver's line about that stage; if the board
+                # is gone, the line is printed anyway
+                with contextlib.suppress(Exception):
+                    self.poll()
             with self.lock:
                 self._clear()
                 if not self.tty:
@@ -220,8 +253,16 @@ class ProgressDisplay:
         if new_stage and previous is not None and self.printed is not previous:
             self._line(previous, now)  # the end of the previous stage
         done = update["step"] >= update["total_steps"]
-        steps_since = update["step"] - self.printed["step"] if self.printed is not None and self.printed["stage"] == update["stage"] else math.inf
-        if new_stage or done or (now - self.printed_at >= self.line_interval_s and steps_since >= update.get("log_interval", 1)):
+        steps_since = (
+            update["step"] - self.printed["step"]
+            if self.printed is not None and self.printed["stage"] == update["stage"]
+            else math.inf
+        )
+        if (
+            new_stage
+            or done
+            or (now - self.printed_at >= self.line_interval_s and steps_since >= update.get("log_interval", 1))
+        ):
             self._line(update, now)
 
     def _line(self, update: dict[str, Any], now: float) -> None:
@@ -263,10 +304,8 @@ class ProgressDisplay:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        try:
+        with contextlib.suppress(Exception):  # the board is gone: the last notes are lost, the run is not
             self.poll()
-        except Exception:  # noqa: BLE001
-            pass
         with self.lock:
             self._clear()
             if not self.tty:

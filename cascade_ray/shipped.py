@@ -34,7 +34,10 @@ def list_shipped() -> str:
     if not files:
         return f"no shipped configs found under {ROOT} (they come with a source checkout)"
     width = max(map(len, files))
-    return "\n".join(f"{name:<{width}}  {kind:<6}  {path.relative_to(ROOT)}  {_summary(path)}" for name, (kind, path) in files.items())
+    return "\n".join(
+        f"{name:<{width}}  {kind:<6}  {path.relative_to(ROOT)}  {_summary(path)}"
+        for name, (kind, path) in files.items()
+    )
 
 
 def copy_shipped(name: str, dest: str | Path) -> Path:

@@ -35,13 +35,51 @@ URI_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 _URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>[^?]*)(?:\?(?P<query>.*))?$")
 
 # Filesystem types (/proc/mounts) that every node can mount at the same path.
-NETWORK_FS_TYPES = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "afs",
-    "wekafs", "panfs", "fuse.glusterfs", "fuse.ceph-fuse", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs",
-    "fuse.mountpoint-s3", "fuse.sshfs", "fuse.rclone", "fuse.lustre",
-})
+NETWORK_FS_TYPES = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "glusterfs",
+        "afs",
+        "wekafs",
+        "panfs",
+        "fuse.glusterfs",
+        "fuse.ceph-fuse",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.juicefs",
+        "fuse.mountpoint-s3",
+        "fuse.sshfs",
+        "fuse.rclone",
+        "fuse.lustre",
+    }
+)
 # ... and types that are certainly private to one machine.
-LOCAL_FS_TYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "vfat", "exfat", "ntfs", "ntfs3"})
+LOCAL_FS_TYPES = frozenset(
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "zfs",
+        "f2fs",
+        "tmpfs",
+        "ramfs",
+        "overlay",
+        "vfat",
+        "exfat",
+        "ntfs",
+        "ntfs3",
+    }
+)
 
 SHARED_STORAGE_FIX = (
     "point storage_path at storage every node reaches: s3://bucket/prefix, gs://bucket/prefix, or a "
@@ -138,7 +176,7 @@ class UriPath:
     def write_text(self, text: str, encoding: str = "utf-8") -> int:
         return self.write_bytes(text.encode(encoding))
 
-    def open(self, mode: str = "rb"):  # noqa: ANN201 - a pyarrow NativeFile
+    def open(self, mode: str = "rb"):
         """Binary streams only: ``rb`` or ``wb``."""
         if mode == "rb":
             return self.fs.open_input_stream(self.path)
@@ -168,12 +206,28 @@ def parse_uri(uri: str) -> UriPath | None:
         return None
     scheme, rest, query = m["scheme"].lower(), m["rest"], m["query"] or ""
     if scheme not in URI_SCHEMES:
-        raise ConfigError([ConfigIssue("storage_path", f"unsupported URI scheme {scheme!r} in {uri!r}", f"use a local path or one of {', '.join(s + '://' for s in URI_SCHEMES)}")])
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "storage_path",
+                    f"unsupported URI scheme {scheme!r} in {uri!r}",
+                    f"use a local path or one of {', '.join(s + '://' for s in URI_SCHEMES)}",
+                )
+            ]
+        )
     if scheme == "file":
         # file:///abs/path (empty host) or file://localhost/abs/path
-        path = rest[len("localhost"):] if rest.startswith("localhost/") else rest
+        path = rest[len("localhost") :] if rest.startswith("localhost/") else rest
         if not path.startswith("/"):
-            raise ConfigError([ConfigIssue("storage_path", f"{uri!r} is not an absolute file:// URI", "write file:///absolute/path (three slashes)")])
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "storage_path",
+                        f"{uri!r} is not an absolute file:// URI",
+                        "write file:///absolute/path (three slashes)",
+                    )
+                ]
+            )
         return UriPath("file", os.path.normpath(path), query)
     if not rest.strip("/"):
         raise ConfigError([ConfigIssue("storage_path", f"{uri!r} names no bucket", f"write {scheme}://bucket/prefix")])
@@ -197,11 +251,16 @@ def storage_root(storage_path: str) -> StorageDir:
         return uri
     path = Path(storage_path).expanduser()
     if not path.is_absolute() and in_ray_job():
-        raise ConfigError([ConfigIssue(
-            "storage_path", f"relative path {storage_path!r} inside a Ray job resolves into the job's temporary "
-            f"copy of the working dir ({Path.cwd()}), which Ray deletes after the job",
-            "give an absolute path (storage_path=/shared/cascade-runs) or a URI (s3://bucket/runs)",
-        )])
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "storage_path",
+                    f"relative path {storage_path!r} inside a Ray job resolves into the job's temporary "
+                    f"copy of the working dir ({Path.cwd()}), which Ray deletes after the job",
+                    "give an absolute path (storage_path=/shared/cascade-runs) or a URI (s3://bucket/runs)",
+                )
+            ]
+        )
     return path.resolve()
 
 
@@ -235,7 +294,14 @@ def filesystem_type(path: Path, mounts_file: str = "/proc/mounts") -> str | None
     return fstype
 
 
-def check_shared_storage(path: StorageDir, *, hosts: int, may_add_nodes: bool, log: Callable[[str], None] = print, mounts_file: str = "/proc/mounts") -> None:
+def check_shared_storage(
+    path: StorageDir,
+    *,
+    hosts: int,
+    may_add_nodes: bool,
+    log: Callable[[str], None] = print,
+    mounts_file: str = "/proc/mounts",
+) -> None:
     """Refuse (or warn about) node-local storage on a cluster of more than one machine.
 
     Args:

@@ -28,8 +28,8 @@ from pathlib import Path
 # without installing the package on the cluster first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cascade_ray.config import load_config  # noqa: E402
-from cascade_ray.errors import CascadeError  # noqa: E402
+from cascade_ray.config import load_config
+from cascade_ray.errors import CascadeError
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "three_stage.yaml"
 SPACES = Path(__file__).resolve().parents[1] / "tune_spaces"
@@ -39,12 +39,26 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="pipeline YAML (default: %(default)s)")
     parser.add_argument("--address", default=None, help="Ray address; default RAY_ADDRESS, else an embedded Ray")
-    parser.add_argument("--tune", nargs="?", const=str(SPACES), default=None, metavar="DIR",
-                        help="sweep every stage with a DIR/<stage>.yaml space (default DIR: %(const)s), best trial frozen before the next")
-    parser.add_argument("--resume", action="store_true", help="reuse finished stages whose fingerprint matches (after a crash)")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning"], default="info",
-                        help="info: progress and cascade-ray's lines, Ray's own hidden (errors shown); debug: everything; warning: no progress")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages[0].train.epochs=1")
+    parser.add_argument(
+        "--tune",
+        nargs="?",
+        const=str(SPACES),
+        default=None,
+        metavar="DIR",
+        help="sweep every stage with a DIR/<stage>.yaml space (default DIR: %(const)s), best trial frozen before the next",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="reuse finished stages whose fingerprint matches (after a crash)"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning"],
+        default="info",
+        help="info: progress and cascade-ray's lines, Ray's own hidden (errors shown); debug: everything; warning: no progress",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages[0].train.epochs=1"
+    )
     return parser.parse_args()
 
 
@@ -63,8 +77,14 @@ def main() -> int:
         #    (with --tune: stages that have a search space are swept, the best trial kept)
         from cascade_ray.pipeline.driver import run_pipeline
 
-        spaces = {s.name: str(Path(args.tune) / f"{s.name}.yaml") for s in cfg.stages if args.tune and (Path(args.tune) / f"{s.name}.yaml").is_file()}
-        summary = run_pipeline(cfg, address=args.address, resume=args.resume, spaces=spaces, log=lambda line: print(line, flush=True))
+        spaces = {
+            s.name: str(Path(args.tune) / f"{s.name}.yaml")
+            for s in cfg.stages
+            if args.tune and (Path(args.tune) / f"{s.name}.yaml").is_file()
+        }
+        summary = run_pipeline(
+            cfg, address=args.address, resume=args.resume, spaces=spaces, log=lambda line: print(line, flush=True)
+        )
     except CascadeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from paths import CONFIGS  # noqa: E402
+from paths import CONFIGS
 
 
 @pytest.fixture(autouse=True, scope="module")

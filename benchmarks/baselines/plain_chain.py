@@ -69,12 +69,16 @@ def train_stage(config: dict[str, Any]) -> None:
     model, _ = build_stage_model(cfg, index, data, upstream)
     net = ray.train.torch.prepare_model(model)  # DDP when world > 1
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = getattr(torch.optim, stage.solver.type)(params, lr=stage.solver.lr, weight_decay=stage.solver.weight_decay)
+    optimizer = getattr(torch.optim, stage.solver.type)(
+        params, lr=stage.solver.lr, weight_decay=stage.solver.weight_decay
+    )
     mean, std = float(data.mean), float(data.std)
     x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
     x_val, y_val = torch.from_numpy(np.array(data.x_val)), torch.from_numpy(np.array(data.y_val))
     head = stage.name
-    sampler = DistributedSampler(range(len(y_train)), num_replicas=world, rank=rank, shuffle=True, seed=stage_seed(cfg, index))
+    sampler = DistributedSampler(
+        range(len(y_train)), num_replicas=world, rank=rank, shuffle=True, seed=stage_seed(cfg, index)
+    )
     for epoch in range(stage.train.epochs):
         model.train()
         sampler.set_epoch(epoch)
@@ -91,14 +95,30 @@ def train_stage(config: dict[str, Any]) -> None:
         with torch.no_grad():  # each rank its share of the validation split, summed across ranks
             xv, yv = (x_val[rank::world].float() - mean) / std, y_val[rank::world]
             logits = model(xv, heads=[head])[head]
-            sums = torch.tensor([float(len(yv)), (logits.argmax(1) == yv).sum().item(), F.cross_entropy(logits, yv, reduction="sum").item(), loss_sum, seen], dtype=torch.float64)
+            sums = torch.tensor(
+                [
+                    float(len(yv)),
+                    (logits.argmax(1) == yv).sum().item(),
+                    F.cross_entropy(logits, yv, reduction="sum").item(),
+                    loss_sum,
+                    seen,
+                ],
+                dtype=torch.float64,
+            )
         if world > 1:
             dist.all_reduce(sums)
         n_val, correct, val_loss, tl, ts = sums.tolist()
-        metrics = {"epoch": epoch + 1, "train_loss": tl / ts, "val_accuracy": correct / n_val, "val_loss": val_loss / n_val}
+        metrics = {
+            "epoch": epoch + 1,
+            "train_loss": tl / ts,
+            "val_accuracy": correct / n_val,
+            "val_loss": val_loss / n_val,
+        }
         if rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
-                save_file({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, str(Path(tmp) / WEIGHTS))
+                save_file(
+                    {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, str(Path(tmp) / WEIGHTS)
+                )
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
         else:
             ray.train.report(metrics)
@@ -118,20 +138,37 @@ def run_plain_chain(cfg, storage: Path, *, log=print) -> dict[str, Any]:
         trainer = TorchTrainer(
             train_stage,
             train_loop_config={"cfg": cfg, "index": index, "data": [data_ref], "upstream_dir": upstream_dir},
-            scaling_config=ray.train.ScalingConfig(num_workers=stage.scaling.num_workers, use_gpu=False, resources_per_worker=stage.scaling.resources_per_worker),
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=stage.scaling.num_workers,
+                use_gpu=False,
+                resources_per_worker=stage.scaling.resources_per_worker,
+            ),
             run_config=ray.train.RunConfig(
-                name=f"{index:02d}-{stage.name}", storage_path=str(storage),
-                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val_accuracy", checkpoint_score_order="max"),
+                name=f"{index:02d}-{stage.name}",
+                storage_path=str(storage),
+                checkpoint_config=ray.train.CheckpointConfig(
+                    num_to_keep=1, checkpoint_score_attribute="val_accuracy", checkpoint_score_order="max"
+                ),
             ),
         )
         result = trainer.fit()
         fit_end = time.time()
         best, metrics = max(result.best_checkpoints, key=lambda pair: pair[1]["val_accuracy"])
         upstream_dir = best.path  # the next stage's workers read the weights from here
-        stages.append({"name": stage.name, "wall_s": time.perf_counter() - t0, "val_accuracy": metrics["val_accuracy"], "fit_start": started, "fit_end": fit_end})
+        stages.append(
+            {
+                "name": stage.name,
+                "wall_s": time.perf_counter() - t0,
+                "val_accuracy": metrics["val_accuracy"],
+                "fit_start": started,
+                "fit_end": fit_end,
+            }
+        )
         log(f"  plain {stage.name}: {stages[-1]['wall_s']:.1f} s")
     # the composed model on the test split, like the pipeline's final evaluation
-    model = build_cascade(cfg, require_plans(cfg, data.image_shape, data.num_classes), data.num_classes, upto=len(cfg.stages) - 1)
+    model = build_cascade(
+        cfg, require_plans(cfg, data.image_shape, data.num_classes), data.num_classes, upto=len(cfg.stages) - 1
+    )
     load_numpy_state(model, load_file(str(Path(upstream_dir) / WEIGHTS)))
     model.eval()
     head = cfg.stages[-1].name
@@ -139,4 +176,3 @@ def run_plain_chain(cfg, storage: Path, *, log=print) -> dict[str, Any]:
         x = (torch.from_numpy(np.array(data.x_test)).float() - float(data.mean)) / float(data.std)
         accuracy = float((model(x, heads=[head])[head].argmax(1).numpy() == data.y_test).mean())
     return {"stages": stages, "test_accuracy": accuracy}
-

@@ -21,7 +21,11 @@ def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
         path = f"stages[{i}]"
         if stage.name in seen:
             issues.append(
-                ConfigIssue(f"{path}.name", f"duplicate stage name {stage.name!r} (also stages[{seen[stage.name]}])", "give every stage a unique name")
+                ConfigIssue(
+                    f"{path}.name",
+                    f"duplicate stage name {stage.name!r} (also stages[{seen[stage.name]}])",
+                    "give every stage a unique name",
+                )
             )
         seen.setdefault(stage.name, i)
         issues += _stage_issues(stage, i, path, [s.name for s in cfg.stages[:i]])
@@ -38,11 +42,23 @@ def _data_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
     if data.source == "parquet":
         for key in ("path", "test_path"):
             if getattr(data, key) is None:
-                issues.append(ConfigIssue(f"data.{key}", "required when data.source is parquet", f"set data.{key} to a parquet file, folder or glob"))
+                issues.append(
+                    ConfigIssue(
+                        f"data.{key}",
+                        "required when data.source is parquet",
+                        f"set data.{key} to a parquet file, folder or glob",
+                    )
+                )
     else:
         for key in ("path", "test_path", "image_shape"):
             if getattr(data, key) is not None:
-                issues.append(ConfigIssue(f"data.{key}", f"only used with data.source: parquet (source is {data.source!r})", f"remove data.{key}"))
+                issues.append(
+                    ConfigIssue(
+                        f"data.{key}",
+                        f"only used with data.source: parquet (source is {data.source!r})",
+                        f"remove data.{key}",
+                    )
+                )
     return issues
 
 
@@ -52,25 +68,60 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
     issues = stage_solver_issues(stage, path)  # solver, precision, early stopping
     if stage.type == "module":
         if stage.model is None:
-            issues.append(ConfigIssue(f"{path}.model", "a stage of type 'module' needs a model", "add model: {type: resnet, ...}"))
+            issues.append(
+                ConfigIssue(f"{path}.model", "a stage of type 'module' needs a model", "add model: {type: resnet, ...}")
+            )
         else:
             issues += _model_issues(stage, path)
         if stage.loss.weighting != "static":
-            issues.append(ConfigIssue(f"{path}.loss.weighting", f"{stage.loss.weighting!r} only applies to a joint stage", "remove it or set type: joint"))
+            issues.append(
+                ConfigIssue(
+                    f"{path}.loss.weighting",
+                    f"{stage.loss.weighting!r} only applies to a joint stage",
+                    "remove it or set type: joint",
+                )
+            )
         if stage.loss.weights is not None:
-            issues.append(ConfigIssue(f"{path}.loss.weights", "only applies to a joint stage (a module stage weighs its loss with loss.scale)", "remove it or use loss.scale"))
+            issues.append(
+                ConfigIssue(
+                    f"{path}.loss.weights",
+                    "only applies to a joint stage (a module stage weighs its loss with loss.scale)",
+                    "remove it or use loss.scale",
+                )
+            )
     else:
         for name, weight in (stage.loss.weights or {}).items():
             from cascade_ray.config.loader import did_you_mean
 
             if name not in upstream:
-                issues.append(ConfigIssue(f"{path}.loss.weights.{name}", f"{name!r} is not an upstream stage{did_you_mean(name, upstream)} (upstream: {', '.join(upstream)})"))
+                issues.append(
+                    ConfigIssue(
+                        f"{path}.loss.weights.{name}",
+                        f"{name!r} is not an upstream stage{did_you_mean(name, upstream)} (upstream: {', '.join(upstream)})",
+                    )
+                )
             elif not weight > 0:
-                issues.append(ConfigIssue(f"{path}.loss.weights.{name}", f"weight {weight} must be > 0", "drop the term by weighting it small, e.g. 0.01"))
+                issues.append(
+                    ConfigIssue(
+                        f"{path}.loss.weights.{name}",
+                        f"weight {weight} must be > 0",
+                        "drop the term by weighting it small, e.g. 0.01",
+                    )
+                )
         if index == 0:
-            issues.append(ConfigIssue(f"{path}.type", "a joint stage needs trained stages before it", "put the joint stage last"))
-        if index > 0 and not stage.trainable_layers:  # torch refuses an optimizer over no parameters, inside the Ray worker
-            issues.append(ConfigIssue(f"{path}.trainable_layers", "a joint stage trains only what trainable_layers opens, and it opens nothing", f"list upstream stages, e.g. trainable_layers: {{{upstream[-1]}: -1}}"))
+            issues.append(
+                ConfigIssue(f"{path}.type", "a joint stage needs trained stages before it", "put the joint stage last")
+            )
+        if (
+            index > 0 and not stage.trainable_layers
+        ):  # torch refuses an optimizer over no parameters, inside the Ray worker
+            issues.append(
+                ConfigIssue(
+                    f"{path}.trainable_layers",
+                    "a joint stage trains only what trainable_layers opens, and it opens nothing",
+                    f"list upstream stages, e.g. trainable_layers: {{{upstream[-1]}: -1}}",
+                )
+            )
         for key in ("model", "pretrained", "adapter"):
             if getattr(stage, key) is not None:
                 issues.append(ConfigIssue(f"{path}.{key}", "a joint stage adds no module", f"remove {path}.{key}"))
@@ -85,7 +136,14 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
         if count == 0 or count < -1:
             issues.append(ConfigIssue(key, f"{count} layers", "use a positive count, or -1 for all layers"))
     if stage.freeze.cache_features == "on":
-        issues += [ConfigIssue(f"{path}.freeze.cache_features", f"'on', but {reason}", f"{fix}, or set cache_features: auto (caches only when possible) or off") for reason, fix in cache_refusals(stage, index, path)]
+        issues += [
+            ConfigIssue(
+                f"{path}.freeze.cache_features",
+                f"'on', but {reason}",
+                f"{fix}, or set cache_features: auto (caches only when possible) or off",
+            )
+            for reason, fix in cache_refusals(stage, index, path)
+        ]
     if stage.pretrained is not None:
         issues += _pretrained_issues(stage.pretrained, f"{path}.pretrained")
     issues += _scaling_issues(stage, f"{path}.scaling")
@@ -103,12 +161,21 @@ def cache_refusals(stage: StageConfig, index: int, path: str) -> list[tuple[str,
     if index == 0:
         refusals.append(("the first stage has no upstream to cache", f"remove {path}.freeze"))
     if stage.type == "joint":
-        refusals.append(("a joint stage trains its upstream, so the upstream outputs change every step", f"remove {path}.freeze"))
+        refusals.append(
+            ("a joint stage trains its upstream, so the upstream outputs change every step", f"remove {path}.freeze")
+        )
     elif stage.trainable_layers:
         names = ", ".join(sorted(stage.trainable_layers))
-        refusals.append((f"{path}.trainable_layers opens upstream layers ({names}), so the upstream outputs change every step", f"remove {path}.trainable_layers"))
+        refusals.append(
+            (
+                f"{path}.trainable_layers opens upstream layers ({names}), so the upstream outputs change every step",
+                f"remove {path}.trainable_layers",
+            )
+        )
     if stage.train.augment.enabled:
-        refusals.append((f"{path}.train.augment randomizes this stage's inputs every epoch", f"turn off {path}.train.augment"))
+        refusals.append(
+            (f"{path}.train.augment randomizes this stage's inputs every epoch", f"turn off {path}.train.augment")
+        )
     return refusals
 
 
@@ -119,7 +186,11 @@ def _model_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     try:
         factory = resolve_factory(stage.model.type)
     except ModelSpecError as exc:
-        fix = "check the spelling; the module must be importable on the driver and on every Ray worker (installed, or in the job's working_dir)" if ":" in stage.model.type else ""
+        fix = (
+            "check the spelling; the module must be importable on the driver and on every Ray worker (installed, or in the job's working_dir)"
+            if ":" in stage.model.type
+            else ""
+        )
         return [ConfigIssue(f"{path}.model.type", str(exc), fix)]
     return [ConfigIssue(f"{path}.model", message) for message in check_kwargs(factory, stage.model.kwargs())]
 
@@ -127,16 +198,30 @@ def _model_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
 def _pretrained_issues(file: str, key: str) -> list[ConfigIssue]:
     p = Path(file).expanduser()
     if p.suffix not in PRETRAINED_SUFFIXES:
-        return [ConfigIssue(key, f"{file!r} is not a .safetensors or .pt state-dict file", "export the state dict with safetensors.torch.save_file")]
+        return [
+            ConfigIssue(
+                key,
+                f"{file!r} is not a .safetensors or .pt state-dict file",
+                "export the state dict with safetensors.torch.save_file",
+            )
+        ]
     if not p.is_file():
-        return [ConfigIssue(key, f"file {str(p)!r} does not exist", "use an absolute path to an existing state-dict file")]
+        return [
+            ConfigIssue(key, f"file {str(p)!r} does not exist", "use an absolute path to an existing state-dict file")
+        ]
     return []
 
 
 def _storage_issues(storage_path: str) -> list[ConfigIssue]:
     """An empty storage_path, or a URI the driver would refuse (before Ray) only at run time."""
     if not storage_path.strip():
-        return [ConfigIssue("storage_path", "is empty: artifacts would land in whatever directory the driver starts in", "set an absolute path (/shared/cascade-runs) or a URI (s3://bucket/runs)")]
+        return [
+            ConfigIssue(
+                "storage_path",
+                "is empty: artifacts would land in whatever directory the driver starts in",
+                "set an absolute path (/shared/cascade-runs) or a URI (s3://bucket/runs)",
+            )
+        ]
     from cascade_ray.storage import parse_uri
 
     try:
@@ -175,25 +260,53 @@ def _scaling_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     sc, key = stage.scaling, f"{path}.resources_per_worker"
     issues = []
     if sc.sync_batchnorm and sc.use_gpu is False and sc.num_workers > 1:  # one worker has nothing to sync
-        issues.append(ConfigIssue(f"{path}.sync_batchnorm", f"torch's SyncBatchNorm needs CUDA workers, but use_gpu is false ({sc.num_workers} CPU workers)", f"set {path}.sync_batchnorm: false, or {path}.use_gpu: true"))
+        issues.append(
+            ConfigIssue(
+                f"{path}.sync_batchnorm",
+                f"torch's SyncBatchNorm needs CUDA workers, but use_gpu is false ({sc.num_workers} CPU workers)",
+                f"set {path}.sync_batchnorm: false, or {path}.use_gpu: true",
+            )
+        )
     res = sc.resources_per_worker
     if res is None:
         return issues
     for name, amount in res.items():
         if name.upper() in ("CPU", "GPU") and name not in ("CPU", "GPU"):
-            issues.append(ConfigIssue(f"{key}.{name}", f"Ray's resource is {name.upper()!r}; {name!r} would be a custom resource no node advertises", f"write {name.upper()}: {amount:g}"))
+            issues.append(
+                ConfigIssue(
+                    f"{key}.{name}",
+                    f"Ray's resource is {name.upper()!r}; {name!r} would be a custom resource no node advertises",
+                    f"write {name.upper()}: {amount:g}",
+                )
+            )
         if amount < 0:
-            issues.append(ConfigIssue(f"{key}.{name}", f"{name}: {amount:g} is negative", f"request 0 or more, e.g. {name}: 1"))
+            issues.append(
+                ConfigIssue(f"{key}.{name}", f"{name}: {amount:g} is negative", f"request 0 or more, e.g. {name}: 1")
+            )
     gpu = res.get("GPU")
     if sc.use_gpu is False and gpu is not None and gpu > 0:
-        issues.append(ConfigIssue(f"{key}.GPU", f"asks for {gpu:g} GPU per worker, but use_gpu: false trains on CPU (the GPU would sit idle)", f"set {path}.use_gpu: true (or auto), or remove GPU from {key}"))
+        issues.append(
+            ConfigIssue(
+                f"{key}.GPU",
+                f"asks for {gpu:g} GPU per worker, but use_gpu: false trains on CPU (the GPU would sit idle)",
+                f"set {path}.use_gpu: true (or auto), or remove GPU from {key}",
+            )
+        )
     if sc.use_gpu is True and gpu == 0:
-        issues.append(ConfigIssue(f"{key}.GPU", "GPU: 0 contradicts use_gpu: true (one GPU per worker; Ray Train would ignore the 0)", f"remove GPU from {key}, or set {path}.use_gpu: false"))
+        issues.append(
+            ConfigIssue(
+                f"{key}.GPU",
+                "GPU: 0 contradicts use_gpu: true (one GPU per worker; Ray Train would ignore the 0)",
+                f"remove GPU from {key}, or set {path}.use_gpu: false",
+            )
+        )
     on_cpu = sc.use_gpu is False or (sc.use_gpu == "auto" and gpu == 0)
     if on_cpu and res.get("CPU", 0) == 0:
-        issues.append(ConfigIssue(
-            f"{key}.CPU" if "CPU" in res else key,
-            "a CPU worker that holds no CPU: Ray would pack any number of them onto one node's cores",
-            f"request at least part of a core, e.g. {key}: {{CPU: 1}}",
-        ))
+        issues.append(
+            ConfigIssue(
+                f"{key}.CPU" if "CPU" in res else key,
+                "a CPU worker that holds no CPU: Ray would pack any number of them onto one node's cores",
+                f"request at least part of a core, e.g. {key}: {{CPU: 1}}",
+            )
+        )
     return issues

@@ -15,8 +15,8 @@ mismatch yields one error with four entries.
 from __future__ import annotations
 
 import copy
-import re
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -102,7 +102,9 @@ def validate_config(
             bad = [_stage_index(path, model_only=True) for path in {i.path for i in semantic} | dropped_paths]
             first_bad = min((b for b in bad if b is not None), default=len(cfg.stages))
             reported = {issue.path for issue in semantic}
-            issues += [i for i in shape_issues(cfg) if (_stage_index(i.path) or 0) < first_bad and i.path not in reported]
+            issues += [
+                i for i in shape_issues(cfg) if (_stage_index(i.path) or 0) < first_bad and i.path not in reported
+            ]
     if issues:
         raise ConfigError(sorted(_dedupe(issues), key=_path_key), source)
     assert cfg is not None  # a failed parse always records an issue
@@ -177,7 +179,13 @@ def _describe(annotation: Any) -> list[str]:
         return [repr(a) for a in typing.get_args(annotation)]
     names = {bool: ["true", "false"], int: ["an integer"], float: ["a number"], str: ["a string"], type(None): ["null"]}
     origin = typing.get_origin(annotation) or annotation
-    return names.get(origin) or (["a list"] if origin is list else ["a mapping"] if origin is dict else [getattr(origin, "__name__", str(origin))])
+    return names.get(origin) or (
+        ["a list"]
+        if origin is list
+        else ["a mapping"]
+        if origin is dict
+        else [getattr(origin, "__name__", str(origin))]
+    )
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -213,7 +221,11 @@ def _translate(err: dict[str, Any]) -> ConfigIssue:
         return ConfigIssue(path, "required key is missing", f"add {loc[-1]}: ..." if loc else "")
     if kind == "union_error":
         choices = [d for arg in typing.get_args(_strip_optional(_walk(loc)[1])) for d in _describe(arg)]
-        return ConfigIssue(path, f"{_short(value)} is not valid here", f"write {', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else "")
+        return ConfigIssue(
+            path,
+            f"{_short(value)} is not valid here",
+            f"write {', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else "",
+        )
     got = f"got {type(value).__name__} {_short(value)}"
     fix = _TYPE_FIXES.get(kind, "")
     if isinstance(value, str) and kind in ("float_type", "int_type", "list_type", "tuple_type"):

@@ -63,7 +63,14 @@ def _default(field: Any) -> str:
 
 def _section(model: type[BaseModel], prefix: str, out: list[str], seen: set[str]) -> None:
     title = prefix or "top level"
-    out += [f"## `{title}`", "", (model.__doc__ or "").strip().splitlines()[0], "", "| key | type | default | description |", "|---|---|---|---|"]
+    out += [
+        f"## `{title}`",
+        "",
+        (model.__doc__ or "").strip().splitlines()[0],
+        "",
+        "| key | type | default | description |",
+        "|---|---|---|---|",
+    ]
     nested = []
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}" if prefix else name

@@ -32,9 +32,7 @@ class DataConfig(_Strict):
         "/usr/share/datasets/fashion-mnist",
         description="Folder holding the Fashion-MNIST idx files (source: fashion_mnist).",
     )
-    path: str | None = Field(
-        None, description="Parquet file, folder or glob with the training rows (source: parquet)."
-    )
+    path: str | None = Field(None, description="Parquet file, folder or glob with the training rows (source: parquet).")
     test_path: str | None = Field(
         None, description="Parquet file, folder or glob with the test rows (source: parquet)."
     )
@@ -103,8 +101,7 @@ class LossConfig(_Strict):
     scale: float = Field(
         1.0,
         gt=0.0,
-        description="Multiplier on this stage's loss; in a joint stage, this stage's weight in "
-        "the summed loss.",
+        description="Multiplier on this stage's loss; in a joint stage, this stage's weight in the summed loss.",
     )
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Cross-entropy label smoothing.")
     weighting: Literal["static", "uncertainty"] = Field(
@@ -136,7 +133,9 @@ class SchedulerConfig(_Strict):
     does not use is an error (see :func:`cascade_ray.solver.schedule.scheduler_issues`).
     """
 
-    type: Literal["constant", "StepLR", "MultiStepLR", "CosineAnnealingLR", "cosine", "OneCycleLR", "ReduceLROnPlateau"] = Field(
+    type: Literal[
+        "constant", "StepLR", "MultiStepLR", "CosineAnnealingLR", "cosine", "OneCycleLR", "ReduceLROnPlateau"
+    ] = Field(
         "constant",
         description="`constant`; torch's `StepLR`, `MultiStepLR`, `CosineAnnealingLR` (`cosine` is short "
         "for it), `OneCycleLR` (lr only; momentum is not cycled), or `ReduceLROnPlateau` (checked once "
@@ -146,21 +145,29 @@ class SchedulerConfig(_Strict):
         0, ge=0, description="Optimizer steps of linear warmup from ~0 up to the schedule's first lr."
     )
     T_max: AutoSteps = Field(
-        "auto", ge=1, validate_default=True,
+        "auto",
+        ge=1,
+        validate_default=True,
         description="CosineAnnealingLR: steps from lr down to lr * min_lr_ratio (then flat); `auto` = the "
         "stage's optimizer steps after warmup.",
     )
     min_lr_ratio: float = Field(
-        0.0, ge=0.0, le=1.0,
+        0.0,
+        ge=0.0,
+        le=1.0,
         description="CosineAnnealingLR: final lr; ReduceLROnPlateau: lowest lr; as a fraction of lr.",
     )
-    step_size: int | None = Field(None, ge=1, description="StepLR (required): multiply lr by gamma every this many steps.")
+    step_size: int | None = Field(
+        None, ge=1, description="StepLR (required): multiply lr by gamma every this many steps."
+    )
     milestones: list[int] | None = Field(
         None, min_length=1, description="MultiStepLR (required): increasing steps at which lr is multiplied by gamma."
     )
     gamma: float = Field(0.1, gt=0.0, le=1.0, description="StepLR, MultiStepLR: lr multiplier at each decay.")
     total_steps: AutoSteps = Field(
-        "auto", ge=2, validate_default=True,
+        "auto",
+        ge=2,
+        validate_default=True,
         description="OneCycleLR: length of the cycle; `auto` = the stage's optimizer steps after warmup.",
     )
     pct_start: float = Field(0.3, gt=0.0, lt=1.0, description="OneCycleLR: fraction of the cycle spent rising to lr.")
@@ -188,9 +195,7 @@ class ParamGroupConfig(_Strict):
         "`heads.features.fc.bias`; the first group that matches a parameter takes it."
     )
     lr: float | None = Field(None, gt=0.0, description="This group's lr; null uses the solver's lr.")
-    weight_decay: float | None = Field(
-        None, ge=0.0, description="This group's weight decay; null uses the solver's."
-    )
+    weight_decay: float | None = Field(None, ge=0.0, description="This group's weight decay; null uses the solver's.")
     betas: list[float] | None = Field(
         None, min_length=2, max_length=2, description="This group's betas; null uses the solver's."
     )
@@ -216,9 +221,7 @@ class ScalerConfig(_Strict):
     """fp16 loss scaling (torch.amp.GradScaler)."""
 
     init_scale: float = Field(65536.0, gt=0.0, description="Initial loss scale.")
-    growth_interval: int = Field(
-        2000, ge=1, description="Optimizer steps without overflow before the scale doubles."
-    )
+    growth_interval: int = Field(2000, ge=1, description="Optimizer steps without overflow before the scale doubles.")
 
 
 class SolverConfig(_Strict):
@@ -230,7 +233,8 @@ class SolverConfig(_Strict):
     )
     lr: float = Field(1e-3, gt=0.0, description="Learning rate.")
     weight_decay: float = Field(
-        0.0, ge=0.0,
+        0.0,
+        ge=0.0,
         description="Weight decay (decoupled for AdamW), applied to parameters with 2+ dimensions; biases and "
         "normalization weights get none unless decay_bias_and_norm is true.",
     )
@@ -256,7 +260,8 @@ class SolverConfig(_Strict):
         description="The lr schedule, counted in optimizer steps.",
     )
     accumulation_steps: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="Micro-batches per optimizer step: the loss is divided by the window size, the "
         "optimizer and scheduler step once per window (the last window of an epoch may be shorter), "
         "and DDP syncs gradients only on a window's last micro-batch.",
@@ -267,7 +272,9 @@ class SolverConfig(_Strict):
         description="Autocast precision of forward and loss: `bf16` (CPU and Ampere+ GPUs, no scaler) or "
         "`fp16` (CUDA only, with a GradScaler; a skipped step does not advance the scheduler).",
     )
-    scaler: ScalerConfig | None = Field(None, description="precision fp16 only: loss-scaler settings; null uses the defaults.")
+    scaler: ScalerConfig | None = Field(
+        None, description="precision fp16 only: loss-scaler settings; null uses the defaults."
+    )
 
 
 class AugmentConfig(_Strict):
@@ -299,27 +306,27 @@ class TrainConfig(_Strict):
     """How long and how the stage trains."""
 
     epochs: int = Field(1, ge=1, description="Passes over the training split.")
-    max_steps: int | None = Field(
-        None, ge=1, description="Stop after this many optimizer steps even if epochs remain."
-    )
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps even if epochs remain.")
     batch_size: int = Field(
-        128, ge=1,
+        128,
+        ge=1,
         description="Samples per micro-batch (one forward/backward) per worker; an optimizer step sees "
         "batch_size x solver.accumulation_steps x workers samples.",
     )
     eval_batch_size: int = Field(512, ge=1, description="Samples per validation batch per worker.")
-    log_interval: int = Field(
-        50, ge=1, description="Print a progress line every this many optimizer steps (rank 0)."
-    )
+    log_interval: int = Field(50, ge=1, description="Print a progress line every this many optimizer steps (rank 0).")
     augment: AugmentConfig = Field(
         default_factory=AugmentConfig, description="Random augmentation of this stage's training batches."
     )
     metric: Literal["val_accuracy", "val_loss"] = Field(
         "val_accuracy", description="Metric that selects the best checkpoint."
     )
-    early_stopping: EarlyStoppingConfig | None = Field(None, description="Stop early on a plateau; null trains every epoch.")
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None, description="Stop early on a plateau; null trains every epoch."
+    )
     sanity_val_steps: int = Field(
-        2, ge=0,
+        2,
+        ge=0,
         description="Validation batches run before training, so a broken evaluation fails in seconds "
         "rather than after the first epoch; 0 skips it.",
     )
@@ -345,9 +352,13 @@ class StallRule(_Strict):
 
     policy: Policy = Field("error", description=_POLICY)
     min_update_ratio: float = Field(1e-8, gt=0.0, description="Updates below this relative size count as stalled.")
-    patience_steps: int = Field(50, ge=1, description="Optimizer steps of consecutive stalled measurements that fire the rule.")
+    patience_steps: int = Field(
+        50, ge=1, description="Optimizer steps of consecutive stalled measurements that fire the rule."
+    )
     tail_fraction: float = Field(
-        0.05, ge=0.0, lt=1.0,
+        0.05,
+        ge=0.0,
+        lt=1.0,
         description="The last fraction of the stage's optimizer steps is exempt (a schedule annealing to ~0 stalls there on purpose).",
     )
 
@@ -357,22 +368,29 @@ class ClipSaturationRule(_Strict):
 
     policy: Policy = Field("error", description=_POLICY)
     max_ratio: float = Field(100.0, gt=1.0, description="Pre-clip norm / max_norm above this counts as saturated.")
-    patience_steps: int = Field(50, ge=1, description="Optimizer steps of consecutive saturated measurements that fire the rule.")
+    patience_steps: int = Field(
+        50, ge=1, description="Optimizer steps of consecutive saturated measurements that fire the rule."
+    )
 
 
 class ScaleCollapseRule(_Strict):
     """fp16 only: the GradScaler's scale collapsed or it keeps skipping steps."""
 
     policy: Policy = Field("error", description=_POLICY)
-    min_scale: float = Field(1.0, gt=0.0, description="A loss scale below this is a collapse (fp16 overflows even unscaled).")
-    max_skipped_steps: int = Field(12, ge=1, description="This many consecutive skipped (overflowed) optimizer steps fire the rule.")
+    min_scale: float = Field(
+        1.0, gt=0.0, description="A loss scale below this is a collapse (fp16 overflows even unscaled)."
+    )
+    max_skipped_steps: int = Field(
+        12, ge=1, description="This many consecutive skipped (overflowed) optimizer steps fire the rule."
+    )
 
 
 class HealthConfig(_Strict):
     """Runtime health rules of a stage; each fires with its policy and names the config key to fix."""
 
     interval: int = Field(
-        10, ge=1,
+        10,
+        ge=1,
         description="Measure the gradient norm and relative update (and sync the non-finite checks) every "
         "this many optimizer steps; the cheaper, the larger.",
     )
@@ -383,8 +401,12 @@ class HealthConfig(_Strict):
         "(confirmed at the first measurement).",
     )
     stall: StallRule = Field(default_factory=StallRule, description="Training that stopped moving.")
-    clip_saturation: ClipSaturationRule = Field(default_factory=ClipSaturationRule, description="Clipping that throttles every step.")
-    scale_collapse: ScaleCollapseRule = Field(default_factory=ScaleCollapseRule, description="fp16 loss-scale collapse.")
+    clip_saturation: ClipSaturationRule = Field(
+        default_factory=ClipSaturationRule, description="Clipping that throttles every step."
+    )
+    scale_collapse: ScaleCollapseRule = Field(
+        default_factory=ScaleCollapseRule, description="fp16 loss-scale collapse."
+    )
     lr_drift: HealthRule = Field(
         default_factory=HealthRule,
         description="The lr applied differs from the schedule's plan for that optimizer step (e.g. a "
@@ -477,9 +499,7 @@ class StageConfig(_Strict):
     loss: LossConfig = Field(default_factory=LossConfig, description="The stage's loss.")
     solver: SolverConfig = Field(default_factory=SolverConfig, description="The stage's optimizer.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The stage's schedule.")
-    scaling: ScalingConfig = Field(
-        default_factory=ScalingConfig, description="The stage's Ray Train scaling."
-    )
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="The stage's Ray Train scaling.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="The stage's runtime health rules.")
 
 
@@ -488,7 +508,10 @@ class PipelineConfig(_Strict):
 
     name: str = Field(pattern=STAGE_NAME_PATTERN, description="Run name; artifacts go to storage_path/name.")
     seed: int = Field(
-        0, ge=0, le=2**32 - 1, description="Seed for data splits, initialization and shuffling (scikit-learn's range: 0 to 2**32 - 1)."
+        0,
+        ge=0,
+        le=2**32 - 1,
+        description="Seed for data splits, initialization and shuffling (scikit-learn's range: 0 to 2**32 - 1).",
     )
     deterministic: bool = Field(
         False,

@@ -19,9 +19,7 @@ from cascade_ray.errors import DataError
 NUM_CLASSES = 10
 
 
-def load_digits(
-    *, train_size: int | None, val_fraction: float, seed: int, test_fraction: float = 0.2
-) -> DataSplits:
+def load_digits(*, train_size: int | None, val_fraction: float, seed: int, test_fraction: float = 0.2) -> DataSplits:
     """Load the digits as (N, 1, 8, 8) uint8 images with stratified train/val/test splits.
 
     Args:
@@ -48,9 +46,7 @@ def load_digits(
     # uint8 keeps the object store small; the values are exact integers, so no loss.
     x = images.astype(np.uint8)[:, None, :, :]
     y = bunch.target.astype(np.int64)
-    x_rest, x_test, y_rest, y_test = train_test_split(
-        x, y, test_size=test_fraction, stratify=y, random_state=seed
-    )
+    x_rest, x_test, y_rest, y_test = train_test_split(x, y, test_size=test_fraction, stratify=y, random_state=seed)
     x_tr, y_tr, x_val, y_val = stratified_subset_and_val(
         x_rest, y_rest, train_size=train_size, val_fraction=val_fraction, seed=seed
     )

@@ -66,9 +66,7 @@ def _check_shape(shape: Sequence[int], flat_size: int, where: str) -> tuple[int,
     return int(dims[0]), int(dims[1]), int(dims[2])
 
 
-def _list_images(
-    arr: pa.Array, image_shape: Sequence[int] | None, meta_shape: list | None, where: str
-) -> np.ndarray:
+def _list_images(arr: pa.Array, image_shape: Sequence[int] | None, meta_shape: list | None, where: str) -> np.ndarray:
     n = len(arr)
     if pa.types.is_fixed_size_list(arr.type):
         size = arr.type.list_size
@@ -99,9 +97,7 @@ def _list_images(
     return values.to_numpy(zero_copy_only=False).reshape(n, *shape)
 
 
-def _tensor_images(
-    arr: pa.ExtensionArray, image_shape: Sequence[int] | None, where: str
-) -> np.ndarray:
+def _tensor_images(arr: pa.ExtensionArray, image_shape: Sequence[int] | None, where: str) -> np.ndarray:
     shape = tuple(arr.type.shape)
     x = arr.to_numpy_ndarray()
     if len(shape) == 2:  # (H, W) tensors are single-channel images
@@ -148,9 +144,7 @@ def _read(
         # Footers only: cheap, and catches files written with different image shapes.
         metas = {(pq.read_schema(f).metadata or {}).get(SHAPE_METADATA_KEY) for f in files}
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(
-            f"{where}: cannot read parquet ({exc}); the files are corrupt or their schemas differ"
-        ) from exc
+        raise DataError(f"{where}: cannot read parquet ({exc}); the files are corrupt or their schemas differ") from exc
     if len(metas) > 1:
         raise DataError(f"{where}: files disagree on {_SHAPE_KEY_TEXT}: {sorted(map(str, metas))}")
     meta = metas.pop()
@@ -250,8 +244,7 @@ def write_parquet(
     y = np.asarray(y)
     if x.ndim != 4 or len(x) != len(y):
         raise DataError(
-            f"write_parquet: x {x.shape} and y {y.shape}; expected x as (N, C, H, W) "
-            "and one label per image"
+            f"write_parquet: x {x.shape} and y {y.shape}; expected x as (N, C, H, W) and one label per image"
         )
     if not np.issubdtype(y.dtype, np.integer):
         raise DataError(f"write_parquet: labels have dtype {y.dtype}, expected integers")

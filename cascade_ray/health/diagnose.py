@@ -72,7 +72,9 @@ class _Recorder:
             raise _Stop
 
     def hooks(self) -> LoopHooks:
-        return LoopHooks(on_setup=self.setup, before_optimizer_step=self.before_step, after_optimizer_step=self.after_step)
+        return LoopHooks(
+            on_setup=self.setup, before_optimizer_step=self.before_step, after_optimizer_step=self.after_step
+        )
 
 
 def _module(name: str) -> str:
@@ -80,7 +82,9 @@ def _module(name: str) -> str:
 
 
 def _grad_table(named: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = defaultdict(lambda: {"params": 0, "sq": 0.0, "none": 0, "zero": 0, "nonfinite": 0})
+    rows: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {"params": 0, "sq": 0.0, "none": 0, "zero": 0, "nonfinite": 0}
+    )
     for name, p in named:
         row = rows[_module(name)]
         row["params"] += p.numel()
@@ -91,19 +95,35 @@ def _grad_table(named: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, A
         row["nonfinite"] += int(not bool(torch.isfinite(g).all()))
         row["zero"] += int(not bool(g.any()))
         row["sq"] += float(g.pow(2).sum())
-    return [{"module": m, "params": r["params"], "grad_norm": math.sqrt(r["sq"]), "none": r["none"], "zero": r["zero"], "nonfinite": r["nonfinite"]} for m, r in rows.items()]
+    return [
+        {
+            "module": m,
+            "params": r["params"],
+            "grad_norm": math.sqrt(r["sq"]),
+            "none": r["none"],
+            "zero": r["zero"],
+            "nonfinite": r["nonfinite"],
+        }
+        for m, r in rows.items()
+    ]
 
 
-def _update_table(named: list[tuple[str, torch.nn.Parameter]], start: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+def _update_table(
+    named: list[tuple[str, torch.nn.Parameter]], start: Mapping[str, torch.Tensor]
+) -> list[dict[str, Any]]:
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for name, p in named:
         row = rows[_module(name)]
         row[0] += float((p.detach().float() - start[name].float()).pow(2).sum())
         row[1] += float(start[name].float().pow(2).sum())
-    return [{"module": m, "update_ratio": math.sqrt(d) / math.sqrt(s) if s > 0 else math.inf} for m, (d, s) in rows.items()]
+    return [
+        {"module": m, "update_ratio": math.sqrt(d) / math.sqrt(s) if s > 0 else math.inf} for m, (d, s) in rows.items()
+    ]
 
 
-def _cached_inputs(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, steps: int) -> tuple[Any, Any, str]:
+def _cached_inputs(
+    cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, steps: int
+) -> tuple[Any, Any, str]:
     """(upstream, features, note): the stage trains on cached upstream outputs here exactly when
     the pipeline would (``freeze.cache_features``), so steps and profiles match a real run.
 
@@ -128,18 +148,37 @@ def _cached_inputs(cfg: PipelineConfig, index: int, data: DataSplits, upstream: 
     train = cfg.stages[index].train
     wanted_batches, batches, epoch = steps * cfg.stages[index].solver.accumulation_steps, [], 0
     while len(batches) < wanted_batches and epoch < train.epochs:
-        batches += list(train_batches(len(data.y_train), train.batch_size, rank=0, world=1, seed=stage_seed(cfg, index), epoch=epoch))
+        batches += list(
+            train_batches(
+                len(data.y_train), train.batch_size, rank=0, world=1, seed=stage_seed(cfg, index), epoch=epoch
+            )
+        )
         epoch += 1
     rows = np.unique(torch.cat(batches[:wanted_batches]).numpy())
-    outputs = upstream_outputs(cfg, index, dataclasses.replace(data, x_train=data.x_train[rows], y_train=data.y_train[rows]), upstream)
+    outputs = upstream_outputs(
+        cfg, index, dataclasses.replace(data, x_train=data.x_train[rows], y_train=data.y_train[rows]), upstream
+    )
     x_train = np.zeros((len(data.y_train), *outputs["train"].shape[1:]), np.float32)
     x_train[rows] = outputs["train"]
     shape = "x".join(str(d) for d in outputs["train"].shape[1:])
-    return upstream, {"x_train": x_train, "x_val": outputs["val"]}, f"on: trains on the upstream's {shape} outputs, computed once"
+    return (
+        upstream,
+        {"x_train": x_train, "x_val": outputs["val"]},
+        f"on: trains on the upstream's {shape} outputs, computed once",
+    )
 
 
-def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 20, upstream: Mapping[str, np.ndarray] | None = None,
-             upstream_source: str | None = None, device: torch.device | None = None, profile: str | Path | None = None) -> dict[str, Any]:
+def diagnose(
+    cfg: PipelineConfig,
+    index: int,
+    data: DataSplits,
+    *,
+    steps: int = 20,
+    upstream: Mapping[str, np.ndarray] | None = None,
+    upstream_source: str | None = None,
+    device: torch.device | None = None,
+    profile: str | Path | None = None,
+) -> dict[str, Any]:
     """Run stage `index` for `steps` optimizer steps in-process; return the report as a dict.
 
     Args:
@@ -166,8 +205,14 @@ def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 
         upstream_note = f"{', '.join(earlier)}: freshly initialized, NOT trained (pass --upstream RUN_DIR/stages/{cfg.stages[index - 1].name} for trained weights)"
     else:
         upstream_note = f"{', '.join(earlier)}: loaded from {upstream_source}"
-    report: dict[str, Any] = {"stage": stage.name, "index": index, "steps_requested": steps, "device": str(device), "upstream": upstream_note,
-                              "solver": stage.solver.model_dump(mode="json")}
+    report: dict[str, Any] = {
+        "stage": stage.name,
+        "index": index,
+        "steps_requested": steps,
+        "device": str(device),
+        "upstream": upstream_note,
+        "solver": stage.solver.model_dump(mode="json"),
+    }
     recorder = _Recorder(steps)
     hooks = recorder.hooks()
     profiler = None
@@ -181,7 +226,16 @@ def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 
     error: CascadeError | None = None
     with contextlib.redirect_stdout(log):
         try:
-            run_stage(diagnose_config(cfg, index, steps), index, data, upstream, _QuietReporter(), device, hooks=hooks, features=features)
+            run_stage(
+                diagnose_config(cfg, index, steps),
+                index,
+                data,
+                upstream,
+                _QuietReporter(),
+                device,
+                hooks=hooks,
+                features=features,
+            )
         except _Stop:
             pass
         except CascadeError as exc:
@@ -189,7 +243,10 @@ def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 
         finally:
             if profiler is not None:
                 summary = profiler.finish()
-                report["profile"] = {"trace": str(profiler.path) if profiler.path.is_file() else None, "summary": summary}
+                report["profile"] = {
+                    "trace": str(profiler.path) if profiler.path.is_file() else None,
+                    "summary": summary,
+                }
     report["log"] = log.getvalue().splitlines()
     state = recorder.state
     if state is None:  # failed before the model was built (a step-count or precision error)
@@ -200,15 +257,37 @@ def diagnose(cfg: PipelineConfig, index: int, data: DataSplits, *, steps: int = 
     workers = stage.scaling.num_workers
     total = total_optimizer_steps(stage, len(data.y_train), workers)
     plan = [lr_factor(stage.solver.lr_scheduler, k, total) * stage.solver.lr for k in (0, max(0, total - 1))]
-    report["optimizer"] = {"class": type(opt).__name__, "groups": [
-        {"name": g.get("name", str(i)), "lr": sched.base_lrs[i], "weight_decay": g.get("weight_decay"), "tensors": len(g["params"]), "params": sum(p.numel() for p in g["params"])}
-        for i, g in enumerate(opt.param_groups)]}
-    report["schedule"] = {"type": stage.solver.lr_scheduler.type, "workers": workers, "total_optimizer_steps": total, "warmup_steps": stage.solver.lr_scheduler.warmup_steps,
-                          "accumulation_steps": stage.solver.accumulation_steps, "first_lr": plan[0], "last_lr": plan[1], "in_process_total_optimizer_steps": sched.total}
+    report["optimizer"] = {
+        "class": type(opt).__name__,
+        "groups": [
+            {
+                "name": g.get("name", str(i)),
+                "lr": sched.base_lrs[i],
+                "weight_decay": g.get("weight_decay"),
+                "tensors": len(g["params"]),
+                "params": sum(p.numel() for p in g["params"]),
+            }
+            for i, g in enumerate(opt.param_groups)
+        ],
+    }
+    report["schedule"] = {
+        "type": stage.solver.lr_scheduler.type,
+        "workers": workers,
+        "total_optimizer_steps": total,
+        "warmup_steps": stage.solver.lr_scheduler.warmup_steps,
+        "accumulation_steps": stage.solver.accumulation_steps,
+        "first_lr": plan[0],
+        "last_lr": plan[1],
+        "in_process_total_optimizer_steps": sched.total,
+    }
     report["steps_run"] = state.step
     report["gradients"] = recorder.grads
     report["updates"] = _update_table(state.named_params, recorder.start)
-    report["precision"] = {"precision": state.precision.name, "loss_scale": state.precision.scale, "skipped_steps": state.monitor.skipped}
+    report["precision"] = {
+        "precision": state.precision.name,
+        "loss_scale": state.precision.scale,
+        "skipped_steps": state.monitor.skipped,
+    }
     alarms = ([str(error)] if error is not None else []) + state.monitor.warnings
     report["verdict"] = {"ok": not alarms, "alarms": alarms}
     return report
@@ -238,24 +317,59 @@ def _flatten(section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as text tables."""
-    out = [f"diagnose stage {report['stage']!r} (stages[{report['index']}]): {report.get('steps_run', 0)} optimizer step(s) on {report['device']}, no Ray",
-           f"upstream: {report['upstream']}", f"feature cache: {report.get('feature_cache', 'n/a')}", "", "solver (as loaded):"]
+    out = [
+        f"diagnose stage {report['stage']!r} (stages[{report['index']}]): {report.get('steps_run', 0)} optimizer step(s) on {report['device']}, no Ray",
+        f"upstream: {report['upstream']}",
+        f"feature cache: {report.get('feature_cache', 'n/a')}",
+        "",
+        "solver (as loaded):",
+    ]
     out += [f"  {k}: {v}" for k, v in _flatten(report["solver"]).items()]
     if "optimizer" in report:
         opt = report["optimizer"]
-        out += ["", f"optimizer built: {opt['class']}, {len(opt['groups'])} param group(s)", f"  {'group':<44} {'lr':>10} {'decay':>8} {'tensors':>8} {'params':>10}"]
-        out += [f"  {g['name'][:44]:<44} {g['lr']:>10.3g} {g['weight_decay'] if g['weight_decay'] is not None else '-':>8} {g['tensors']:>8} {g['params']:>10,}" for g in opt["groups"]]
+        out += [
+            "",
+            f"optimizer built: {opt['class']}, {len(opt['groups'])} param group(s)",
+            f"  {'group':<44} {'lr':>10} {'decay':>8} {'tensors':>8} {'params':>10}",
+        ]
+        out += [
+            f"  {g['name'][:44]:<44} {g['lr']:>10.3g} {g['weight_decay'] if g['weight_decay'] is not None else '-':>8} {g['tensors']:>8} {g['params']:>10,}"
+            for g in opt["groups"]
+        ]
         s = report["schedule"]
-        out += ["", f"lr plan on {s['workers']} worker(s): {s['type']}, {s['total_optimizer_steps']} optimizer steps (warmup {s['warmup_steps']}, accumulation_steps {s['accumulation_steps']}); "
-                f"lr {s['first_lr']:.3g} at the first step -> {s['last_lr']:.3g} at the last (solver lr; groups scale with it)"]
+        out += [
+            "",
+            f"lr plan on {s['workers']} worker(s): {s['type']}, {s['total_optimizer_steps']} optimizer steps (warmup {s['warmup_steps']}, accumulation_steps {s['accumulation_steps']}); "
+            f"lr {s['first_lr']:.3g} at the first step -> {s['last_lr']:.3g} at the last (solver lr; groups scale with it)",
+        ]
         if s["in_process_total_optimizer_steps"] != s["total_optimizer_steps"]:
-            out += [f"  (this in-process run is one worker: its plan spans {s['in_process_total_optimizer_steps']} steps)"]
-        out += ["", "gradients after the first backward, per module:", f"  {'module':<44} {'params':>9} {'grad norm':>10} {'None':>5} {'zero':>5} {'NaN/inf':>7}"]
-        out += [f"  {r['module'][:44]:<44} {r['params']:>9,} {r['grad_norm']:>10.3g} {r['none']:>5} {r['zero']:>5} {r['nonfinite']:>7}" for r in report["gradients"]]
-        out += ["", f"parameter updates over {report['steps_run']} step(s), ||theta_now - theta_start|| / ||theta_start|| per module:"]
+            out += [
+                f"  (this in-process run is one worker: its plan spans {s['in_process_total_optimizer_steps']} steps)"
+            ]
+        out += [
+            "",
+            "gradients after the first backward, per module:",
+            f"  {'module':<44} {'params':>9} {'grad norm':>10} {'None':>5} {'zero':>5} {'NaN/inf':>7}",
+        ]
+        out += [
+            f"  {r['module'][:44]:<44} {r['params']:>9,} {r['grad_norm']:>10.3g} {r['none']:>5} {r['zero']:>5} {r['nonfinite']:>7}"
+            for r in report["gradients"]
+        ]
+        out += [
+            "",
+            f"parameter updates over {report['steps_run']} step(s), ||theta_now - theta_start|| / ||theta_start|| per module:",
+        ]
         out += [f"  {r['module'][:44]:<44} {r['update_ratio']:>10.3g}" for r in report["updates"]]
         p = report["precision"]
-        out += ["", f"precision: {p['precision']}" + (f", loss scale {p['loss_scale']:g}, {p['skipped_steps']} skipped step(s)" if p["loss_scale"] is not None else " (no loss scaler)")]
+        out += [
+            "",
+            f"precision: {p['precision']}"
+            + (
+                f", loss scale {p['loss_scale']:g}, {p['skipped_steps']} skipped step(s)"
+                if p["loss_scale"] is not None
+                else " (no loss scaler)"
+            ),
+        ]
     if "profile" in report:
         out += ["", report["profile"]["summary"]]
     verdict = report["verdict"]

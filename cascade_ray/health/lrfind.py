@@ -55,20 +55,33 @@ def _endless_batches(n: int, batch_size: int, seed: int) -> Iterator[torch.Tenso
         epoch += 1
 
 
-def lr_find(cfg: PipelineConfig, index: int, data: DataSplits, *, upstream: Mapping[str, np.ndarray] | None = None, device: torch.device | None = None,
-            start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 200, smoothing: float = 0.9, diverge: float = 4.0) -> LrFindResult:
+def lr_find(
+    cfg: PipelineConfig,
+    index: int,
+    data: DataSplits,
+    *,
+    upstream: Mapping[str, np.ndarray] | None = None,
+    device: torch.device | None = None,
+    start_lr: float = 1e-7,
+    end_lr: float = 10.0,
+    steps: int = 200,
+    smoothing: float = 0.9,
+    diverge: float = 4.0,
+) -> LrFindResult:
     """Run the range test on stage `index` (see the module docstring)."""
+    from cascade_ray.models.cascade import module_stage_names
     from cascade_ray.solver import build_optimizer, build_param_groups, build_precision, clip_gradients
     from cascade_ray.stage.batches import ArraySource
     from cascade_ray.stage.loop import build_stage_model, stage_loss, stage_seed
-    from cascade_ray.models.cascade import module_stage_names
 
     device = device or torch.device("cpu")
     stage, solver = cfg.stages[index], cfg.stages[index].solver
     model, _ = build_stage_model(cfg, index, data, upstream)
     model.to(device).train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    log_vars = nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
+    log_vars = (
+        nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
+    )
     if log_vars is not None:
         named.append(("loss.log_vars", log_vars))
     optimizer = build_optimizer(build_param_groups(named, solver, f"stages[{index}].solver", stage.name), solver)

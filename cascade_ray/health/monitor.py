@@ -28,14 +28,35 @@ from cascade_ray.stage.freeze import TrainablePlan, check_frozen, frozen_digest
 class HealthMonitor:
     """Applies a stage's health rules; see the module docstring for when each runs."""
 
-    def __init__(self, stage: StageConfig, index: int, named: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 scheduler: LrSchedule, precision: Precision, model: nn.Module, plan: TrainablePlan, rank: int = 0,
-                 all_sum: Callable[[list[float]], list[float]] = list):
+    def __init__(
+        self,
+        stage: StageConfig,
+        index: int,
+        named: Sequence[tuple[str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        scheduler: LrSchedule,
+        precision: Precision,
+        model: nn.Module,
+        plan: TrainablePlan,
+        rank: int = 0,
+        all_sum: Callable[[list[float]], list[float]] = list,
+    ):
         self.stage, self.cfg, self.path = stage, stage.health, f"stages[{index}]"
         self.named, self.params = list(named), [p for _, p in named]
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.model, self.plan, self.rank, self.all_sum = model, plan, rank, all_sum
-        self.on = {rule: getattr(self.cfg, rule).policy != "off" for rule in ("nonfinite", "grad_flow", "stall", "clip_saturation", "scale_collapse", "lr_drift", "frozen_drift")}
+        self.on = {
+            rule: getattr(self.cfg, rule).policy != "off"
+            for rule in (
+                "nonfinite",
+                "grad_flow",
+                "stall",
+                "clip_saturation",
+                "scale_collapse",
+                "lr_drift",
+                "frozen_drift",
+            )
+        }
         self.measuring = self.on["nonfinite"] or self.on["stall"] or self.on["clip_saturation"]
         clip = stage.solver.grad_clip
         self.max_norm = clip.max_norm if clip.enabled and clip.mode == "norm" else None
@@ -58,7 +79,9 @@ class HealthMonitor:
         detail += f" [rule {self.path}.health.{rule}, policy {getattr(self.cfg, rule).policy}]"
         if getattr(self.cfg, rule).policy == "error":
             if rule == "frozen_drift":
-                raise FrozenDriftError(f"stage {self.stage.name!r}, optimizer step {step}: {detail}\n    key: {key}\n    fix: {fix}")
+                raise FrozenDriftError(
+                    f"stage {self.stage.name!r}, optimizer step {step}: {detail}\n    key: {key}\n    fix: {fix}"
+                )
             raise HealthError(rule, self.stage.name, step, detail, key, fix)
         self.warning_count += 1
         self.epoch_warnings += 1
@@ -85,11 +108,15 @@ class HealthMonitor:
         modules = dict(self.model.named_modules())
         training = [n for n in self.plan.frozen_modules if any(m.training for m in modules[n].modules())]
         if training:
-            self.fire("frozen_drift", step, f"{len(training)} frozen module(s) are in train mode at the start of an epoch: {_short(training)}; "
-                      "their BatchNorm running statistics and dropout would change although they are frozen",
-                      f"{self.path}.trainable_layers",
-                      "keep frozen modules in eval mode (CascadeModel.train() does; do not call .train() on a submodule or override train() in a module), "
-                      f"or train them on purpose by listing their stage in {self.path}.trainable_layers")
+            self.fire(
+                "frozen_drift",
+                step,
+                f"{len(training)} frozen module(s) are in train mode at the start of an epoch: {_short(training)}; "
+                "their BatchNorm running statistics and dropout would change although they are frozen",
+                f"{self.path}.trainable_layers",
+                "keep frozen modules in eval mode (CascadeModel.train() does; do not call .train() on a submodule or override train() in a module), "
+                f"or train them on purpose by listing their stage in {self.path}.trainable_layers",
+            )
 
     def end_epoch(self, step: int, loss_sum: torch.Tensor, digest: dict[str, str]) -> None:
         """Flush the non-finite check and compare the frozen digest with the one taken before training."""
@@ -99,11 +126,21 @@ class HealthMonitor:
             try:
                 check_frozen(digest, frozen_digest(self.model, self.plan), self.stage.name)
             except FrozenDriftError as exc:
-                self.fire("frozen_drift", step, str(exc), f"{self.path}.trainable_layers", f"find what writes to the frozen tensors, or list their stage in {self.path}.trainable_layers")
+                self.fire(
+                    "frozen_drift",
+                    step,
+                    str(exc),
+                    f"{self.path}.trainable_layers",
+                    f"find what writes to the frozen tensors, or list their stage in {self.path}.trainable_layers",
+                )
 
     def epoch_metrics(self) -> dict[str, float]:
         """Mean gradient norm and relative update over the epoch's measurements, warnings, fp16 state."""
-        out = {"grad_norm": _mean(self.norms), "update_ratio": _mean(self.ratios), "health_warnings": float(self.epoch_warnings)}
+        out = {
+            "grad_norm": _mean(self.norms),
+            "update_ratio": _mean(self.ratios),
+            "health_warnings": float(self.epoch_warnings),
+        }
         if self.precision.scaler is not None:
             out |= {"loss_scale": self.precision.last_scale, "skipped_steps": float(self.epoch_skipped)}
         return out
@@ -112,7 +149,11 @@ class HealthMonitor:
         """Gradient norm and relative update measured at optimizer step `step` (NaN when that step
         was not measured: see ``health.interval``); no device sync."""
         measured, norm, ratio = self.last_measured
-        return {"grad_norm": norm, "update_ratio": ratio} if measured == step else {"grad_norm": math.nan, "update_ratio": math.nan}
+        return (
+            {"grad_norm": norm, "update_ratio": ratio}
+            if measured == step
+            else {"grad_norm": math.nan, "update_ratio": math.nan}
+        )
 
     # -- per optimizer step ------------------------------------------------------------------------
 
@@ -143,7 +184,12 @@ class HealthMonitor:
         values = [norm.float(), torch.isfinite(loss_sum).all().float()]
         if self._before is not None:
             before, self._before = self._before, None
-            values.append((torch.linalg.vector_norm(_flat(self.params) - before) / torch.linalg.vector_norm(before).clamp_min(1e-30)).float())
+            values.append(
+                (
+                    torch.linalg.vector_norm(_flat(self.params) - before)
+                    / torch.linalg.vector_norm(before).clamp_min(1e-30)
+                ).float()
+            )
         measured = torch.stack([v.detach().float() for v in values]).tolist()  # the one sync of a measured step
         norm_value, ratio = measured[0], (measured[2] if len(measured) > 2 else math.nan)
         self.last_measured = (step, norm_value, ratio)
@@ -165,12 +211,23 @@ class HealthMonitor:
         first = self.checked_to + 1
         self.checked_to = step
         lr_key, lr = f"{self.path}.solver.lr", self.stage.solver.lr
-        fix = (f"lower {lr_key} (now {lr:g}), enable {self.path}.solver.grad_clip, or check the inputs for NaN; "
-               f"with precision {self.stage.solver.precision} try fp32" if self.stage.solver.precision != "fp32" else
-               f"lower {lr_key} (now {lr:g}), enable {self.path}.solver.grad_clip (max_norm: 1.0), or check the inputs for NaN")
+        fix = (
+            f"lower {lr_key} (now {lr:g}), enable {self.path}.solver.grad_clip, or check the inputs for NaN; "
+            f"with precision {self.stage.solver.precision} try fp32"
+            if self.stage.solver.precision != "fp32"
+            else f"lower {lr_key} (now {lr:g}), enable {self.path}.solver.grad_clip (max_norm: 1.0), or check the inputs for NaN"
+        )
         if bad_loss_ranks > 0:
-            self.fire("nonfinite", step, f"the training loss became NaN/inf between optimizer steps {first} and {step} (on {int(bad_loss_ranks)} rank(s))", lr_key, fix)
-        elif norm is not None and self.precision.scaler is None and not math.isfinite(norm):  # fp16 overflows are the scaler's
+            self.fire(
+                "nonfinite",
+                step,
+                f"the training loss became NaN/inf between optimizer steps {first} and {step} (on {int(bad_loss_ranks)} rank(s))",
+                lr_key,
+                fix,
+            )
+        elif (
+            norm is not None and self.precision.scaler is None and not math.isfinite(norm)
+        ):  # fp16 overflows are the scaler's
             self.fire("nonfinite", step, f"the gradient norm is {norm} at optimizer step {step}", lr_key, fix)
 
     def _check_grad_flow(self, step: int) -> None:
@@ -189,32 +246,56 @@ class HealthMonitor:
     def _fire_grad_flow(self, step: int, names: list[str], what: str) -> None:
         own = (f"blocks.{self.stage.name}.", f"adapters.{self.stage.name}.", f"heads.{self.stage.name}.")
         key = f"{self.path}.model" if all(n.startswith(own) for n in names) else f"{self.path}.trainable_layers"
-        self.fire("grad_flow", step, f"{len(names)} of {len(self.named)} trainable parameter(s) have {what} gradients after {'the first backward' if step == 1 else f'{step} optimizer steps'}: {_short(names, 8)}",
-                  key, "make the module's forward use them (a .detach(), torch.no_grad(), an unused branch or an early return cuts them off from the loss), or remove them from the module")
+        self.fire(
+            "grad_flow",
+            step,
+            f"{len(names)} of {len(self.named)} trainable parameter(s) have {what} gradients after {'the first backward' if step == 1 else f'{step} optimizer steps'}: {_short(names, 8)}",
+            key,
+            "make the module's forward use them (a .detach(), torch.no_grad(), an unused branch or an early return cuts them off from the loss), or remove them from the module",
+        )
 
     def _check_lr(self, step: int) -> None:
         sched, accum = self.scheduler, self.stage.solver.accumulation_steps
         key = f"{self.path}.solver.lr_scheduler"
-        fix = ("step the schedule once per optimizer step, after optimizer.step(), and not after a step the fp16 scaler skipped; "
-               "never per micro-batch. cascade-ray's loop does this: a hook, callback or user code is stepping it (or setting lr) as well")
+        fix = (
+            "step the schedule once per optimizer step, after optimizer.step(), and not after a step the fp16 scaler skipped; "
+            "never per micro-batch. cascade-ray's loop does this: a hook, callback or user code is stepping it (or setting lr) as well"
+        )
         if sched.steps != self.scheduled:
             skipped = f" ({self.skipped} more skipped by the fp16 scaler)" if self.skipped else ""
-            self.fire("lr_drift", step, f"the lr schedule was stepped {sched.steps} time(s) before optimizer step {step}, but {self.scheduled} optimizer step(s) were taken{skipped} "
-                      f"with accumulation_steps {accum}: it is ahead of its plan", key, fix)
+            self.fire(
+                "lr_drift",
+                step,
+                f"the lr schedule was stepped {sched.steps} time(s) before optimizer step {step}, but {self.scheduled} optimizer step(s) were taken{skipped} "
+                f"with accumulation_steps {accum}: it is ahead of its plan",
+                key,
+                fix,
+            )
             return
         planned = sched.planned_lrs(self.scheduled)
         for i, (group, want) in enumerate(zip(self.optimizer.param_groups, planned)):
             if abs(group["lr"] - want) > 1e-6 * abs(want) + 1e-30:
-                self.fire("lr_drift", step, f"param group {i} ({group.get('name', i)}) runs optimizer step {step} at lr {group['lr']:.6g}, but the plan says {want:.6g}", key, fix)
+                self.fire(
+                    "lr_drift",
+                    step,
+                    f"param group {i} ({group.get('name', i)}) runs optimizer step {step} at lr {group['lr']:.6g}, but the plan says {want:.6g}",
+                    key,
+                    fix,
+                )
                 return
 
     def _check_scale(self, step: int) -> None:
         rule, scale = self.cfg.scale_collapse, self.precision.last_scale
         if scale < rule.min_scale or self.consecutive_skips >= rule.max_skipped_steps:
-            self.fire("scale_collapse", step, f"fp16 loss scale {scale:.3g} (min_scale {rule.min_scale:g}); {self.consecutive_skips} consecutive and {self.skipped} total optimizer steps skipped "
-                      "for inf/NaN gradients", f"{self.path}.solver.precision",
-                      f"use {self.path}.solver.precision: bf16 (no loss scaling needed), or lower {self.path}.solver.lr and enable grad_clip; "
-                      "gradients overflow fp16 even at this scale")
+            self.fire(
+                "scale_collapse",
+                step,
+                f"fp16 loss scale {scale:.3g} (min_scale {rule.min_scale:g}); {self.consecutive_skips} consecutive and {self.skipped} total optimizer steps skipped "
+                "for inf/NaN gradients",
+                f"{self.path}.solver.precision",
+                f"use {self.path}.solver.precision: bf16 (no loss scaling needed), or lower {self.path}.solver.lr and enable grad_clip; "
+                "gradients overflow fp16 even at this scale",
+            )
 
     def _check_clip(self, step: int, norm: float) -> None:
         assert self.max_norm is not None
@@ -222,9 +303,14 @@ class HealthMonitor:
         self.saturated_run = self.saturated_run + 1 if ratio > self.cfg.clip_saturation.max_ratio else 0
         if self.saturated_run * self.cfg.interval >= self.cfg.clip_saturation.patience_steps:
             self.saturated_run = 0
-            self.fire("clip_saturation", step, f"pre-clip gradient norm {norm:.3g} is {ratio:.3g}x grad_clip.max_norm {self.max_norm:g} "
-                      f"(> {self.cfg.clip_saturation.max_ratio:g}x) at every measurement for {self.cfg.clip_saturation.patience_steps} optimizer steps: every update is scaled down by that much",
-                      f"{self.path}.solver.grad_clip.max_norm", f"raise {self.path}.solver.grad_clip.max_norm to about the typical gradient norm (~{norm:.2g}; 1.0 is common), or disable clipping")
+            self.fire(
+                "clip_saturation",
+                step,
+                f"pre-clip gradient norm {norm:.3g} is {ratio:.3g}x grad_clip.max_norm {self.max_norm:g} "
+                f"(> {self.cfg.clip_saturation.max_ratio:g}x) at every measurement for {self.cfg.clip_saturation.patience_steps} optimizer steps: every update is scaled down by that much",
+                f"{self.path}.solver.grad_clip.max_norm",
+                f"raise {self.path}.solver.grad_clip.max_norm to about the typical gradient norm (~{norm:.2g}; 1.0 is common), or disable clipping",
+            )
 
     def _check_stall(self, step: int, ratio: float, norm: float) -> None:
         rule = self.cfg.stall
@@ -238,11 +324,20 @@ class HealthMonitor:
         detail = f"relative update ||dtheta||/||theta|| = {ratio:.3g} < {rule.min_update_ratio:g} at every measurement for {rule.patience_steps} optimizer steps (lr {lrs}, grad norm {norm:.3g})"
         factor = self.scheduler.factor(self.scheduled)
         if self.max_norm is not None and norm > 10 * self.max_norm:
-            key, fix = f"{self.path}.solver.grad_clip.max_norm", f"raise {self.path}.solver.grad_clip.max_norm (now {self.max_norm:g}; gradients are {norm:.3g}), or disable clipping"
+            key, fix = (
+                f"{self.path}.solver.grad_clip.max_norm",
+                f"raise {self.path}.solver.grad_clip.max_norm (now {self.max_norm:g}; gradients are {norm:.3g}), or disable clipping",
+            )
         elif factor < 1e-2:
-            key, fix = f"{self.path}.solver.lr_scheduler", f"the schedule has decayed the lr to {factor:.3g}x of its base: check {self.path}.solver.lr_scheduler (T_max, step_size/gamma, milestones, total_steps)"
+            key, fix = (
+                f"{self.path}.solver.lr_scheduler",
+                f"the schedule has decayed the lr to {factor:.3g}x of its base: check {self.path}.solver.lr_scheduler (T_max, step_size/gamma, milestones, total_steps)",
+            )
         else:
-            key, fix = f"{self.path}.solver.lr", f"raise {self.path}.solver.lr (now {self.stage.solver.lr:g}; typical AdamW 1e-4..3e-3, SGD 1e-2..1e-1)"
+            key, fix = (
+                f"{self.path}.solver.lr",
+                f"raise {self.path}.solver.lr (now {self.stage.solver.lr:g}; typical AdamW 1e-4..3e-3, SGD 1e-2..1e-1)",
+            )
         self.fire("stall", step, detail, key, fix)
 
 

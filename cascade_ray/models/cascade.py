@@ -74,7 +74,13 @@ def build_adapter(cfg: AdapterConfig | None, in_shape: Sequence[int], width: int
 class CascadeModel(nn.Module):
     """Stage modules applied in order; any subset of stage heads can be read out."""
 
-    def __init__(self, order: Sequence[str], blocks: dict[str, nn.Module], adapters: dict[str, nn.Module], heads: dict[str, nn.Module]):
+    def __init__(
+        self,
+        order: Sequence[str],
+        blocks: dict[str, nn.Module],
+        adapters: dict[str, nn.Module],
+        heads: dict[str, nn.Module],
+    ):
         super().__init__()
         self.order = list(order)
         self.blocks = nn.ModuleDict(blocks)
@@ -109,7 +115,9 @@ class CascadeModel(nn.Module):
         last = max(self.order.index(name) for name in wanted)
         first = self.order.index(self.input_stage) if self.input_stage is not None else 0
         if min(self.order.index(name) for name in wanted) < first:
-            raise ValueError(f"heads {wanted} include a stage before {self.input_stage!r}, whose inputs are cached features")
+            raise ValueError(
+                f"heads {wanted} include a stage before {self.input_stage!r}, whose inputs are cached features"
+            )
         out: dict[str, torch.Tensor] = {}
         for name in self.order[first : last + 1]:
             x = self.run_block(name, x)
@@ -153,4 +161,14 @@ def build_cascade(cfg: PipelineConfig, plans: Sequence[StagePlan], num_classes: 
     return CascadeModel(names, blocks, adapters, heads)
 
 
-__all__ = ["Adapter", "CascadeModel", "Head", "StagePlan", "build_cascade", "build_head", "module_in_width", "module_stage_names", "pool"]
+__all__ = [
+    "Adapter",
+    "CascadeModel",
+    "Head",
+    "StagePlan",
+    "build_cascade",
+    "build_head",
+    "module_in_width",
+    "module_stage_names",
+    "pool",
+]

@@ -52,14 +52,12 @@ def _import_callable(type_name: str) -> Callable[..., Any]:
         if not hasattr(obj, part):
             public = sorted(n for n in dir(obj) if not n.startswith("_"))
             raise ModelSpecError(
-                f"model type {type_name!r}: '{module_name}' has no attribute '{attr_path}'"
-                f"{_did_you_mean(part, public)}"
+                f"model type {type_name!r}: '{module_name}' has no attribute '{attr_path}'{_did_you_mean(part, public)}"
             )
         obj = getattr(obj, part)
     if not callable(obj):
         raise ModelSpecError(
-            f"model type {type_name!r}: '{attr_path}' is a {type(obj).__name__}, not a callable "
-            f"returning an nn.Module"
+            f"model type {type_name!r}: '{attr_path}' is a {type(obj).__name__}, not a callable returning an nn.Module"
         )
     return obj
 
@@ -115,9 +113,7 @@ def check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], *, name
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):
         return []
-    accepted = [
-        p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     problems: list[str] = []
     if not takes_any:

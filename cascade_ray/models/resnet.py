@@ -68,8 +68,10 @@ class ResidualBlock(nn.Module):
             out_ch = width * _BOTTLENECK_EXPANSION
             # Stride on the 3x3 conv (ResNet v1.5): the 1x1 would otherwise skip 3/4 of the pixels.
             body = [
-                *_conv_bn(in_ch, width, 1), nn.ReLU(inplace=True),
-                *_conv_bn(width, width, 3, stride), nn.ReLU(inplace=True),
+                *_conv_bn(in_ch, width, 1),
+                nn.ReLU(inplace=True),
+                *_conv_bn(width, width, 3, stride),
+                nn.ReLU(inplace=True),
                 *_conv_bn(width, out_ch, 1),
             ]
         self.body = nn.Sequential(*body)

@@ -35,9 +35,7 @@ class TokenEmbed(nn.Module):
         if x.dim() == 4:
             x = x.flatten(2).transpose(1, 2)  # (B, C, H, W) -> (B, H*W, C)
         elif x.dim() != 3:
-            raise ValueError(
-                f"transformer: expected (B, C, H, W) or (B, T, C) input, got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"transformer: expected (B, C, H, W) or (B, T, C) input, got shape {tuple(x.shape)}")
         tokens, width = x.shape[1], x.shape[2]
         if width != self.in_channels:
             raise ValueError(
@@ -56,7 +54,13 @@ class Transformer(nn.Module):
     """Token embedding, ``depth`` pre-norm encoder layers, final LayerNorm; see :func:`transformer`."""
 
     def __init__(
-        self, in_channels: int, d_model: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
+        self,
+        in_channels: int,
+        d_model: int,
+        depth: int,
+        heads: int,
+        mlp_ratio: float,
+        dropout: float,
         max_tokens: int,
     ) -> None:
         super().__init__()
@@ -68,10 +72,17 @@ class Transformer(nn.Module):
         # Their nn.Dropout modules become the cheaper CPU Dropout (models/dropout.py); the
         # attention-weight dropout inside MultiheadAttention stays torch's own.
         self.layers = nn.ModuleList(
-            use_fast_dropout(nn.TransformerEncoderLayer(
-                d_model, heads, dim_feedforward=int(d_model * mlp_ratio), dropout=dropout,
-                activation="gelu", batch_first=True, norm_first=True,
-            ))
+            use_fast_dropout(
+                nn.TransformerEncoderLayer(
+                    d_model,
+                    heads,
+                    dim_feedforward=int(d_model * mlp_ratio),
+                    dropout=dropout,
+                    activation="gelu",
+                    batch_first=True,
+                    norm_first=True,
+                )
+            )
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(d_model)

@@ -26,8 +26,8 @@ import numpy as np
 
 from cascade_ray import __version__
 from cascade_ray.errors import ArtifactError
-from cascade_ray.storage import StorageDir, UriPath, local_copy, parse_uri
 from cascade_ray.stage.weights import NumpyState, load_safetensors, save_safetensors, state_digests
+from cascade_ray.storage import StorageDir, UriPath, local_copy, parse_uri
 
 WEIGHTS = "weights.safetensors"
 MANIFEST = "manifest.json"
@@ -61,7 +61,12 @@ def file_sha256(path: StorageDir) -> str:
 
 
 def _complete(manifest: dict[str, Any], weights: Path, state: NumpyState) -> dict[str, Any]:
-    return {**manifest, "cascade_ray_version": __version__, "weights_sha256": file_sha256(weights), "tensor_digests": state_digests(state)}
+    return {
+        **manifest,
+        "cascade_ray_version": __version__,
+        "weights_sha256": file_sha256(weights),
+        "tensor_digests": state_digests(state),
+    }
 
 
 def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: dict[str, Any]) -> Artifact:
@@ -122,4 +127,6 @@ def read_artifact(directory: str | StorageDir) -> tuple[Artifact, NumpyState]:
 
 def frozen_changes(before: NumpyState, after: NumpyState) -> list[str]:
     """Keys of `before` whose tensors differ (bitwise) or are absent in `after`."""
-    return sorted(k for k, v in before.items() if k not in after or v.dtype != after[k].dtype or not np.array_equal(v, after[k]))
+    return sorted(
+        k for k, v in before.items() if k not in after or v.dtype != after[k].dtype or not np.array_equal(v, after[k])
+    )

@@ -77,7 +77,9 @@ def run_pipeline(
         log(f"warning: {issue.render()}")
     if errors:
         raise ConfigError(errors, source=f"{cfg.name} ({len(data.y_train)} training samples)")
-    log(f"data: {data.source}: train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}, {data.num_classes} classes")
+    log(
+        f"data: {data.source}: train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}, {data.num_classes} classes"
+    )
     if not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
         _check_embedded_resources(cfg)  # the embedded Ray will be this machine: fail before starting it
     started_ray = _init_ray(address)
@@ -89,12 +91,21 @@ def run_pipeline(
             log(line)
         check_shared_storage(out, hosts=cluster.hosts, may_add_nodes=cluster.may_add_nodes, log=log)
         session = StageSession(
-            cfg, out, ray.put(data.to_arrays()), data.fingerprint(), data.image_shape, data.num_classes, log, split_sizes={"train": len(data.y_train), "val": len(data.y_val)},
+            cfg,
+            out,
+            ray.put(data.to_arrays()),
+            data.fingerprint(),
+            data.image_shape,
+            data.num_classes,
+            log,
+            split_sizes={"train": len(data.y_train), "val": len(data.y_val)},
         )
         upstream: Handoff | None = None
         records = []
         for index, stage in enumerate(cfg.stages):
-            log(f"stage {index + 1}/{len(cfg.stages)}: {stage.name} ({stage.type}) on {stage.scaling.num_workers} worker(s)")
+            log(
+                f"stage {index + 1}/{len(cfg.stages)}: {stage.name} ({stage.type}) on {stage.scaling.num_workers} worker(s)"
+            )
             if stage.name in loaded:
                 record, upstream = _sweep(session, index, upstream, *loaded[stage.name], resume=resume, log=log)
             else:
@@ -110,7 +121,13 @@ def run_pipeline(
     assert upstream is not None
     final_cfg = session.cfg  # swept stages carry their best trial's values
     test = evaluate_composed(final_cfg, data, upstream.state)
-    summary = {"name": cfg.name, "test_accuracy": test["accuracy"], "test_loss": test["loss"], "stages": records, "storage": str(out)}
+    summary = {
+        "name": cfg.name,
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "stages": records,
+        "storage": str(out),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     with staged_dir(out) as local:  # the report writers use local paths; staged to s3:// / gs:// here
@@ -119,13 +136,26 @@ def run_pipeline(
     return summary
 
 
-def _sweep(session: StageSession, index: int, upstream: Handoff | None, space: Any, space_file: str, *, resume: bool, log: Callable[[str], None]) -> tuple[dict[str, Any], Handoff]:
+def _sweep(
+    session: StageSession,
+    index: int,
+    upstream: Handoff | None,
+    space: Any,
+    space_file: str,
+    *,
+    resume: bool,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], Handoff]:
     from cascade_ray.tune.run import adopt_best, format_results, sweep_stage
 
     outcome = sweep_stage(session, space, space_file, upstream, resume=resume)
     log(format_results(outcome, space.metric))
     _, record, handoff = adopt_best(session, index, upstream, outcome)
-    record["sweep"] = {"results": str(outcome.results_path), "best": str(outcome.best_yaml), "trials": len(outcome.table)}
+    record["sweep"] = {
+        "results": str(outcome.results_path),
+        "best": str(outcome.best_yaml),
+        "trials": len(outcome.table),
+    }
     return record, handoff
 
 
@@ -141,13 +171,23 @@ def _init_ray(address: str | None) -> bool:
         return False
     target = address or os.environ.get("RAY_ADDRESS")
     if target and target.startswith(("http://", "https://")) and not in_ray_job():
-        raise ConfigError([ConfigIssue(
-            "--address / RAY_ADDRESS", f"{target!r} is a dashboard / job-submission address; a driver cannot connect to it",
-            "submit the pipeline as a job (`cascade-ray submit ...` or `ray job submit --working-dir . -- python "
-            "pipelines/three_stage.py ...`), or give the GCS address (host:port, e.g. 127.0.0.1:6379)",
-        )])
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "--address / RAY_ADDRESS",
+                    f"{target!r} is a dashboard / job-submission address; a driver cannot connect to it",
+                    "submit the pipeline as a job (`cascade-ray submit ...` or `ray job submit --working-dir . -- python "
+                    "pipelines/three_stage.py ...`), or give the GCS address (host:port, e.g. 127.0.0.1:6379)",
+                )
+            ]
+        )
     if target:
-        ray.init(address=target, log_to_driver=True, logging_level=ray_logging_level(), runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}})
+        ray.init(
+            address=target,
+            log_to_driver=True,
+            logging_level=ray_logging_level(),
+            runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}},
+        )
     else:
         ray.init(logging_level=ray_logging_level(), runtime_env={"env_vars": env})
     install_worker_filter()  # --log-level: Ray's own chatter out of the way, errors kept
@@ -176,7 +216,7 @@ def _job_env_vars() -> set[str]:
     raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
     if not raw:
         return set()
-    return set(((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}))
+    return set((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
 @torch.no_grad()
@@ -201,7 +241,9 @@ def evaluate_composed(cfg: PipelineConfig, data: DataSplits, state: NumpyState) 
 
 def _fmt_metrics(metrics: dict[str, Any]) -> str:
     keys = ("val_accuracy", "val_loss", "train_loss")
-    return ", ".join(f"{k} {metrics[k]:.4f}" for k in keys if isinstance(metrics.get(k), (int, float)) and np.isfinite(metrics[k]))
+    return ", ".join(
+        f"{k} {metrics[k]:.4f}" for k in keys if isinstance(metrics.get(k), (int, float)) and np.isfinite(metrics[k])
+    )
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -209,6 +251,10 @@ def format_table(summary: dict[str, Any]) -> str:
     rows = [f"{'stage':<12} {'status':<8} {'val_acc':>8} {'val_loss':>9} {'trainable':>10} {'frozen':>9} {'wall_s':>7}"]
     for s in summary["stages"]:
         m = s["metrics"]
-        rows.append(f"{s['name']:<12} {s['status']:<8} {m['val_accuracy']:>8.4f} {m['val_loss']:>9.4f} {s['trainable_params']:>10,} {s['frozen_params']:>9,} {s['wall_s']:>7.1f}")
-    rows.append(f"composed model test_accuracy {summary['test_accuracy']:.4f} (loss {summary['test_loss']:.4f}); artifacts in {summary['storage']}")
+        rows.append(
+            f"{s['name']:<12} {s['status']:<8} {m['val_accuracy']:>8.4f} {m['val_loss']:>9.4f} {s['trainable_params']:>10,} {s['frozen_params']:>9,} {s['wall_s']:>7.1f}"
+        )
+    rows.append(
+        f"composed model test_accuracy {summary['test_accuracy']:.4f} (loss {summary['test_loss']:.4f}); artifacts in {summary['storage']}"
+    )
     return "\n".join(rows)

@@ -71,7 +71,12 @@ class FeatureCache:
 
     def record(self) -> dict[str, Any]:
         """The summary entry of this cache."""
-        return {"status": self.status, "shape": list(self.shape), "path": str(self.path), "seconds": round(self.seconds, 2)}
+        return {
+            "status": self.status,
+            "shape": list(self.shape),
+            "path": str(self.path),
+            "seconds": round(self.seconds, 2),
+        }
 
 
 def cache_decision(cfg: PipelineConfig, index: int) -> tuple[bool, str]:
@@ -91,13 +96,24 @@ def cache_key(upstream_fingerprint: str, upstream_state: dict[str, np.ndarray], 
     from cascade_ray.stage.weights import state_digests
 
     keys = [k for k in upstream_state if k.split(".")[0] in ("blocks", "adapters") and k.split(".")[1] in module_names]
-    blob = json.dumps({"upstream": upstream_fingerprint, "weights": state_digests(upstream_state, keys), "version": CACHE_VERSION}, sort_keys=True)
+    blob = json.dumps(
+        {"upstream": upstream_fingerprint, "weights": state_digests(upstream_state, keys), "version": CACHE_VERSION},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def prepare_feature_cache(
-    cfg: PipelineConfig, index: int, *, out: StorageDir, data_ref: ray.ObjectRef, sizes: dict[str, int], in_shape: tuple[int, ...], upstream: Any,
-    previous: FeatureCache | None, log: Callable[[str], None],
+    cfg: PipelineConfig,
+    index: int,
+    *,
+    out: StorageDir,
+    data_ref: ray.ObjectRef,
+    sizes: dict[str, int],
+    in_shape: tuple[int, ...],
+    upstream: Any,
+    previous: FeatureCache | None,
+    log: Callable[[str], None],
 ) -> FeatureCache | None:
     """The cached inputs of stage `index`, read from storage or computed; None when the cache is off.
 
@@ -135,7 +151,9 @@ def prepare_feature_cache(
         if need > OBJECT_STORE_SHARE * capacity:
             message = f"the features of {stage.name!r} take {need / 2**30:.2f} GiB, more than half the object store ({capacity / 2**30:.2f} GiB)"
             if stage.freeze.cache_features == "on":
-                raise ResourceError(f"stages[{index}].freeze.cache_features is on, but {message}. Set it to auto or off, or start Ray with a larger object store (ray start --object-store-memory).")
+                raise ResourceError(
+                    f"stages[{index}].freeze.cache_features is on, but {message}. Set it to auto or off, or start Ray with a larger object store (ray start --object-store-memory)."
+                )
             log(f"  {stage.name}: feature cache off: {message}")
             return None
         start = previous.stage if previous is not None and previous.stage in upstream_names else None
@@ -144,13 +162,22 @@ def prepare_feature_cache(
         status = "computed"
     shape = tuple(arrays["x_train"].shape[1:])
     cache = FeatureCache(stage.name, ray.put(arrays), key, shape, path, status, time.perf_counter() - t0)
-    log(f"  {stage.name}: feature cache {status}: upstream outputs {'x'.join(map(str, shape))} for {sum(sizes.values())} samples in {cache.seconds:.1f} s ({path})")
+    log(
+        f"  {stage.name}: feature cache {status}: upstream outputs {'x'.join(map(str, shape))} for {sum(sizes.values())} samples in {cache.seconds:.1f} s ({path})"
+    )
     return cache
 
 
 def compute_features(
-    cfg: PipelineConfig, index: int, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef, previous_ref: ray.ObjectRef | None, start: str | None, sizes: dict[str, int],
-    *, where: str = "auto",
+    cfg: PipelineConfig,
+    index: int,
+    data_ref: ray.ObjectRef,
+    upstream_ref: ray.ObjectRef,
+    previous_ref: ray.ObjectRef | None,
+    start: str | None,
+    sizes: dict[str, int],
+    *,
+    where: str = "auto",
 ) -> dict[str, np.ndarray]:
     """Upstream outputs of every train/val sample.
 
@@ -169,14 +196,28 @@ def compute_features(
         where = "driver" if not resources.get("GPU") and sum(1 for n in ray.nodes() if n.get("Alive")) == 1 else "tasks"
     if where == "driver":
         previous = ray.get(previous_ref) if previous_ref is not None else None
-        parts = upstream_outputs(cfg, index, DataSplits.from_arrays(ray.get(data_ref)), ray.get(upstream_ref), previous=previous, start=start)
+        parts = upstream_outputs(
+            cfg, index, DataSplits.from_arrays(ray.get(data_ref)), ray.get(upstream_ref), previous=previous, start=start
+        )
         return {f"x_{s}": parts[s] for s in SPLITS}
-    options = {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0), "resources": {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}}
+    options = {
+        "num_cpus": resources.get("CPU", 0.0),
+        "num_gpus": resources.get("GPU", 0.0),
+        "resources": {k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
+    }
     shards = stage.scaling.num_workers
     bounds = {s: np.linspace(0, sizes[s], shards + 1).astype(int) for s in SPLITS}
     raw = cfg.model_dump(mode="json")
     tasks = [
-        _features_task.options(**options).remote(raw, index, [data_ref], [upstream_ref], [previous_ref] if previous_ref is not None else [], start, {s: (int(b[w]), int(b[w + 1])) for s, b in bounds.items()})
+        _features_task.options(**options).remote(
+            raw,
+            index,
+            [data_ref],
+            [upstream_ref],
+            [previous_ref] if previous_ref is not None else [],
+            start,
+            {s: (int(b[w]), int(b[w + 1])) for s, b in bounds.items()},
+        )
         for w in range(shards)
     ]
     parts = ray.get(tasks)
@@ -184,7 +225,15 @@ def compute_features(
 
 
 @ray.remote
-def _features_task(raw: dict[str, Any], index: int, data_ref: list, upstream_ref: list, previous_ref: list, start: str | None, ranges: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+def _features_task(
+    raw: dict[str, Any],
+    index: int,
+    data_ref: list,
+    upstream_ref: list,
+    previous_ref: list,
+    start: str | None,
+    ranges: dict[str, tuple[int, int]],
+) -> dict[str, np.ndarray]:
     from cascade_ray.config.loader import validate_config
     from cascade_ray.data import DataSplits
 
@@ -193,12 +242,28 @@ def _features_task(raw: dict[str, Any], index: int, data_ref: list, upstream_ref
     cfg = validate_config(raw, source="feature cache", preflight=False)
     device = torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
     previous = ray.get(previous_ref[0]) if previous_ref else None
-    return upstream_outputs(cfg, index, DataSplits.from_arrays(ray.get(data_ref[0])), ray.get(upstream_ref[0]), previous=previous, start=start, ranges=ranges, device=device)
+    return upstream_outputs(
+        cfg,
+        index,
+        DataSplits.from_arrays(ray.get(data_ref[0])),
+        ray.get(upstream_ref[0]),
+        previous=previous,
+        start=start,
+        ranges=ranges,
+        device=device,
+    )
 
 
 def upstream_outputs(
-    cfg: PipelineConfig, index: int, data: Any, upstream_state: dict[str, np.ndarray], *, previous: dict[str, np.ndarray] | None = None, start: str | None = None,
-    ranges: dict[str, tuple[int, int]] | None = None, device: torch.device | None = None,
+    cfg: PipelineConfig,
+    index: int,
+    data: Any,
+    upstream_state: dict[str, np.ndarray],
+    *,
+    previous: dict[str, np.ndarray] | None = None,
+    start: str | None = None,
+    ranges: dict[str, tuple[int, int]] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, np.ndarray]:
     """The frozen stages before `index` applied (eval mode, no grad) to each split's samples.
 
@@ -242,7 +307,11 @@ def upstream_outputs(
                 for name in names:
                     x = model.run_block(name, x)
                 chunks.append(x.float().cpu().numpy())
-        out[split] = np.concatenate(chunks) if chunks else np.zeros((0, *next(p for p in plans if p.name == names[-1]).out_shape), np.float32)
+        out[split] = (
+            np.concatenate(chunks)
+            if chunks
+            else np.zeros((0, *next(p for p in plans if p.name == names[-1]).out_shape), np.float32)
+        )
     return out
 
 
@@ -257,7 +326,13 @@ def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray]) ->
         columns["split"].append(pa.array(np.full(len(x) // width if width else 0, split)))
         columns["x"].append(pa.FixedSizeListArray.from_arrays(pa.array(x), width))
     table = pa.table({"split": pa.concat_arrays(columns["split"]), "x": pa.concat_arrays(columns["x"])})
-    table = table.replace_schema_metadata({"cascade_ray.key": key, "cascade_ray.shape": json.dumps(list(shape)), "cascade_ray.version": str(CACHE_VERSION)})
+    table = table.replace_schema_metadata(
+        {
+            "cascade_ray.key": key,
+            "cascade_ray.shape": json.dumps(list(shape)),
+            "cascade_ray.version": str(CACHE_VERSION),
+        }
+    )
     if isinstance(path, UriPath):
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("wb") as sink:
@@ -269,7 +344,9 @@ def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray]) ->
     tmp.rename(path)
 
 
-def _read_parquet(path: StorageDir, key: str, sizes: dict[str, int], log: Callable[[str], None], stage: str) -> dict[str, np.ndarray] | None:
+def _read_parquet(
+    path: StorageDir, key: str, sizes: dict[str, int], log: Callable[[str], None], stage: str
+) -> dict[str, np.ndarray] | None:
     """The stored features when the file exists and matches the key and the split sizes; a
     damaged or mismatched file is reported and recomputed (it is a cache, never the source)."""
     if not path.exists():

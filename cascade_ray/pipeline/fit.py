@@ -30,7 +30,11 @@ def unique_run_name(ray_dir: StorageDir, stage: StageConfig, index: int, fingerp
     a rerun of the same stage gets the next free attempt number instead.
     """
     prefix = f"{index:02d}-{stage.name}-{fingerprint[:12]}"
-    taken = {int(m.group(1)) for p in ray_dir.glob(f"{prefix}-a*") if (m := re.fullmatch(re.escape(prefix) + r"-a(\d+)", p.name))}
+    taken = {
+        int(m.group(1))
+        for p in ray_dir.glob(f"{prefix}-a*")
+        if (m := re.fullmatch(re.escape(prefix) + r"-a(\d+)", p.name))
+    }
     return f"{prefix}-a{max(taken, default=0) + 1}"
 
 
@@ -53,7 +57,11 @@ class Cluster:
 
     @property
     def may_add_nodes(self) -> bool:
-        return self.autoscaling or any(count < 0 for _, count in self.groups) or sum(count for _, count in self.groups) > len(self.nodes)
+        return (
+            self.autoscaling
+            or any(count < 0 for _, count in self.groups)
+            or sum(count for _, count in self.groups) > len(self.nodes)
+        )
 
     def placeable(self, per_worker: Mapping[str, float]) -> float:
         """Workers asking `per_worker` each that fit at once: on the alive nodes, or on the
@@ -68,7 +76,9 @@ class Cluster:
         shown = ", ".join(f"{total.get(k, 0.0):g} {k}" for k in ("CPU", "GPU"))
         text = f"{len(self.nodes)} alive node(s) with {shown} in total"
         if self.groups:
-            text += "; autoscaler groups: " + ", ".join(f"{'unbounded' if c < 0 else c} x {_fmt(r)}" for r, c in self.groups)
+            text += "; autoscaler groups: " + ", ".join(
+                f"{'unbounded' if c < 0 else c} x {_fmt(r)}" for r, c in self.groups
+            )
         return text
 
 
@@ -82,14 +92,27 @@ def _placeable(per_worker: Mapping[str, float], nodes: Any) -> float:
 
 
 def _fmt(res: Mapping[str, float]) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(res.items()) if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))) + "}"
+    return (
+        "{"
+        + ", ".join(
+            f"{k}: {v:g}"
+            for k, v in sorted(res.items())
+            if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))
+        )
+        + "}"
+    )
 
 
 def cluster_view() -> Cluster:
     """The connected cluster (after ``ray.init``)."""
     alive = [n for n in ray.nodes() if n.get("Alive")]
     groups = _autoscaler_groups()
-    return Cluster(tuple(n["Resources"] for n in alive), len({n.get("NodeManagerAddress") for n in alive}), groups, bool(groups) or _autoscaler_running())
+    return Cluster(
+        tuple(n["Resources"] for n in alive),
+        len({n.get("NodeManagerAddress") for n in alive}),
+        groups,
+        bool(groups) or _autoscaler_running(),
+    )
 
 
 def _autoscaler_running() -> bool:
@@ -109,7 +132,11 @@ def autoscaler_in_status(raw: bytes | str | None) -> bool:
     report = json.loads(raw).get("autoscaler_report") if raw else None
     if not report:
         return False
-    types = {*(report.get("active_nodes") or {}), *(report.get("idle_nodes") or {}), *(report.get("pending_launches") or {})}
+    types = {
+        *(report.get("active_nodes") or {}),
+        *(report.get("idle_nodes") or {}),
+        *(report.get("pending_launches") or {}),
+    }
     return any(not re.fullmatch(r"node_[0-9a-f]+", t) for t in types)
 
 
@@ -170,20 +197,37 @@ def check_resources(cfg: PipelineConfig, cluster: Cluster | None = None) -> list
                 f"resources on one node), but the cluster can place at most {fits:g} at once ({cluster.describe()})."
             )
             if not (cluster.autoscaling and not cluster.groups):
-                raise ResourceError(f"{need} Lower {key}.num_workers or resources_per_worker{', or set use_gpu: auto' if sc.use_gpu is True else ''}, or add nodes.")
+                raise ResourceError(
+                    f"{need} Lower {key}.num_workers or resources_per_worker{', or set use_gpu: auto' if sc.use_gpu is True else ''}, or add nodes."
+                )
             # an autoscaler with unpublished limits may still add nodes that fit
-            decisions.append(f"WARNING: {need} An autoscaler runs, so Ray waits for it to add nodes; if none of its node groups fits, the stage waits forever.")
+            decisions.append(
+                f"WARNING: {need} An autoscaler runs, so Ray waits for it to add nodes; if none of its node groups fits, the stage waits forever."
+            )
         if not use_gpu and sc.num_workers > 1 and sc.sync_batchnorm:
-            raise ResourceError(f"{key}.sync_batchnorm: stage {stage.name!r} runs on CPU ({sc.num_workers} workers), and torch's SyncBatchNorm needs GPUs. Set {key}.sync_batchnorm: false, or run the stage on GPUs.")
+            raise ResourceError(
+                f"{key}.sync_batchnorm: stage {stage.name!r} runs on CPU ({sc.num_workers} workers), and torch's SyncBatchNorm needs GPUs. Set {key}.sync_batchnorm: false, or run the stage on GPUs."
+            )
         if not use_gpu and stage.solver.precision == "fp16":
-            raise ResourceError(f"stages[{i}].solver.precision: stage {stage.name!r} runs on CPU (use_gpu {sc.use_gpu}), and fp16 needs a CUDA GPU. Set precision: bf16, or give the cluster GPUs.")
+            raise ResourceError(
+                f"stages[{i}].solver.precision: stage {stage.name!r} runs on CPU (use_gpu {sc.use_gpu}), and fp16 needs a CUDA GPU. Set precision: bf16, or give the cluster GPUs."
+            )
         if sc.use_gpu == "auto":
-            decisions.append(f"stage {stage.name!r}: use_gpu auto -> {'GPU (NCCL)' if use_gpu else 'CPU (gloo)'} x {sc.num_workers} worker(s)")
+            decisions.append(
+                f"stage {stage.name!r}: use_gpu auto -> {'GPU (NCCL)' if use_gpu else 'CPU (gloo)'} x {sc.num_workers} worker(s)"
+            )
     return decisions
 
 
 def fit_stage(
-    cfg: PipelineConfig, index: int, *, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, ray_dir: StorageDir, run_name: str, callbacks: list[Any] | None = None,
+    cfg: PipelineConfig,
+    index: int,
+    *,
+    data_ref: ray.ObjectRef,
+    upstream_ref: ray.ObjectRef | None,
+    ray_dir: StorageDir,
+    run_name: str,
+    callbacks: list[Any] | None = None,
     features_ref: ray.ObjectRef | None = None,
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job (:class:`StageTrainer`) and return its Result.

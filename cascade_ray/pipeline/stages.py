@@ -21,10 +21,10 @@ import torch
 from cascade_ray import __version__
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import FrozenDriftError
+from cascade_ray.models.cascade import build_cascade
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
-from cascade_ray.models.cascade import build_cascade
 from cascade_ray.preflight import require_plans
 from cascade_ray.stage.freeze import apply_freeze, plan_trainable
 from cascade_ray.stage.weights import NumpyState, state_digests
@@ -40,7 +40,9 @@ class Handoff:
     fingerprint: str
 
 
-def stage_accounting(cfg: PipelineConfig, index: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[int, list[str], int]:
+def stage_accounting(
+    cfg: PipelineConfig, index: int, input_shape: tuple[int, ...], num_classes: int
+) -> tuple[int, list[str], int]:
     """(trainable params, frozen state-dict keys, frozen params) of stage `index`, built on meta."""
     plans = require_plans(cfg, input_shape, num_classes)
     with torch.device("meta"):
@@ -55,7 +57,9 @@ def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str
     """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version."""
     stage = cfg.stages[index].model_dump(mode="json")
     stage.pop("freeze", None)  # how the inputs are computed (feature cache), not what is trained
-    blob = json.dumps({"stage": stage, "parent": parent, "data": data_fp, "seed": cfg.seed, "version": __version__}, sort_keys=True)
+    blob = json.dumps(
+        {"stage": stage, "parent": parent, "data": data_fp, "seed": cfg.seed, "version": __version__}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -90,7 +94,12 @@ class StageSession:
         cache = self.feature_cache(index, upstream)
         name = unique_run_name(self.out / "ray", stage, index, fp)
         result = fit_stage(
-            self.cfg, index, data_ref=self.data_ref, upstream_ref=upstream.ref if upstream else None, ray_dir=self.out / "ray", run_name=name,
+            self.cfg,
+            index,
+            data_ref=self.data_ref,
+            upstream_ref=upstream.ref if upstream else None,
+            ray_dir=self.out / "ray",
+            run_name=name,
             features_ref=cache.ref if cache else None,
         )
         return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
@@ -99,10 +108,21 @@ class StageSession:
         """Stage `index`'s cached upstream outputs (computed or read), or None when it trains on raw inputs."""
         if upstream is None:
             return None
-        plan = next(p for p in require_plans(self.cfg, self.input_shape, self.num_classes) if p.name == self.cfg.stages[index].name)
+        plan = next(
+            p
+            for p in require_plans(self.cfg, self.input_shape, self.num_classes)
+            if p.name == self.cfg.stages[index].name
+        )
         cache = prepare_feature_cache(
-            self.cfg, index, out=self.out, data_ref=self.data_ref, sizes=self.split_sizes, in_shape=plan.in_shape, upstream=upstream,
-            previous=self.cache_of(index - 1), log=self.log,
+            self.cfg,
+            index,
+            out=self.out,
+            data_ref=self.data_ref,
+            sizes=self.split_sizes,
+            in_shape=plan.in_shape,
+            upstream=upstream,
+            previous=self.cache_of(index - 1),
+            log=self.log,
         )
         self.newest_cache = (index, cache) if cache is not None else None
         return cache
@@ -111,7 +131,17 @@ class StageSession:
         """The cached inputs stage `index` trained on, if it is the newest cached stage."""
         return self.newest_cache[1] if self.newest_cache is not None and self.newest_cache[0] == index else None
 
-    def finish(self, index: int, upstream: Handoff | None, result: ray.train.Result, *, fp: str, run_name: str, started: float, history: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], Handoff]:
+    def finish(
+        self,
+        index: int,
+        upstream: Handoff | None,
+        result: ray.train.Result,
+        *,
+        fp: str,
+        run_name: str,
+        started: float,
+        history: list[dict[str, Any]] | None = None,
+    ) -> tuple[dict[str, Any], Handoff]:
         """Best checkpoint -> frozen hand-off check -> durable artifact -> one ray.put.
 
         `history` is taken from rank 0's return value when the fit returned one (a run
@@ -127,22 +157,45 @@ class StageSession:
             # independent of the worker's own per-epoch check: compare bits with the upstream
             changed = frozen_changes({k: upstream.state[k] for k in frozen_keys}, state)
             if changed:
-                raise FrozenDriftError(f"stage {stage.name!r}: {len(changed)} frozen tensor(s) differ from the upstream artifact: {', '.join(changed[:5])}")
+                raise FrozenDriftError(
+                    f"stage {stage.name!r}: {len(changed)} frozen tensor(s) differ from the upstream artifact: {', '.join(changed[:5])}"
+                )
         outcome = result.return_value or {}
         record = {
-            "name": stage.name, "type": stage.type, "status": "trained", "metrics": metrics, "history": outcome.get("history", history or []),
-            "num_workers": outcome.get("world_size", stage.scaling.num_workers), "trainable_params": trainable, "frozen_params": frozen_params,
-            "fingerprint": fp, "ray_run": run_name,
+            "name": stage.name,
+            "type": stage.type,
+            "status": "trained",
+            "metrics": metrics,
+            "history": outcome.get("history", history or []),
+            "num_workers": outcome.get("world_size", stage.scaling.num_workers),
+            "trainable_params": trainable,
+            "frozen_params": frozen_params,
+            "fingerprint": fp,
+            "ray_run": run_name,
         }
         if (cache := self.cache_of(index)) is not None:
             record["feature_cache"] = cache.record()
         artifact = write_artifact(
-            self.artifact_dir(index), state,
-            {**{k: record[k] for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")},
-             "stage": stage.name, "index": index, "fingerprint": fp, "parent_fingerprint": upstream.fingerprint if upstream else "",
-             "data_fingerprint": self.data_fp, "frozen_digest": state_digests(state, frozen_keys)},
+            self.artifact_dir(index),
+            state,
+            {
+                **{
+                    k: record[k]
+                    for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")
+                },
+                "stage": stage.name,
+                "index": index,
+                "fingerprint": fp,
+                "parent_fingerprint": upstream.fingerprint if upstream else "",
+                "data_fingerprint": self.data_fp,
+                "frozen_digest": state_digests(state, frozen_keys),
+            },
         )
-        record |= {"wall_s": round(time.perf_counter() - started, 2), "artifact": str(artifact.path), "digest": artifact.manifest["weights_sha256"]}
+        record |= {
+            "wall_s": round(time.perf_counter() - started, 2),
+            "artifact": str(artifact.path),
+            "digest": artifact.manifest["weights_sha256"],
+        }
         return record, Handoff(state, ray.put(state), fp)  # one put; every worker of the next stage reads it
 
     def _reuse(self, index: int, fp: str) -> tuple[dict[str, Any], Handoff] | None:
@@ -159,8 +212,16 @@ class StageSession:
             self.log(f"  {stage.name}: config, upstream or data changed since the stored artifact, training")
             return None
         record = {
-            "name": stage.name, "type": stage.type, "status": "reused", "wall_s": 0.0, "artifact": str(path),
-            "digest": manifest["weights_sha256"], "fingerprint": fp,
-            **{k: manifest[k] for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")},
+            "name": stage.name,
+            "type": stage.type,
+            "status": "reused",
+            "wall_s": 0.0,
+            "artifact": str(path),
+            "digest": manifest["weights_sha256"],
+            "fingerprint": fp,
+            **{
+                k: manifest[k]
+                for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")
+            },
         }
         return record, Handoff(state, ray.put(state), fp)

@@ -53,7 +53,7 @@ def _quick_stop_cleaner_class(base: type) -> type | None:
                 return
             try:
                 cleaner.stop.remote()
-            except Exception:  # noqa: BLE001 - the cleaner already exited: nothing to stop
+            except Exception:
                 logger.debug("placement group cleaner already gone at stop", exc_info=True)
             finally:
                 self._cleaner = None
@@ -85,6 +85,6 @@ class StageTrainer(TorchTrainer):
         callbacks = super()._create_default_callbacks()
         try:
             return lean_callbacks(callbacks, has_datasets=bool(getattr(self, "datasets", None)))
-        except Exception:  # noqa: BLE001 - never fail a fit over an optimization
+        except Exception:
             logger.debug("kept Ray Train's default callbacks", exc_info=True)
             return callbacks

@@ -16,16 +16,28 @@ def build_report(run: str | Path) -> Path:
     """Write ``RUN_DIR/report/*.png`` and ``RUN_DIR/report/report.md``; return the .md path."""
     run = Path(run).expanduser()
     if not (run / "summary.json").is_file():
-        raise CascadeError(f"{run} has no summary.json: pass the folder of a finished run, i.e. {{storage_path}}/{{name}}")
+        raise CascadeError(
+            f"{run} has no summary.json: pass the folder of a finished run, i.e. {{storage_path}}/{{name}}"
+        )
     summary = json.loads((run / "summary.json").read_text())
     metrics = read_metrics(run)
     out = run / REPORT_DIR
     out.mkdir(exist_ok=True)
-    lines = [f"# Run `{summary['name']}`", "", f"Composed model on the test split: accuracy **{summary['test_accuracy']:.4f}**, loss {summary['test_loss']:.4f}.", ""]
-    lines += ["| stage | status | val accuracy | val loss | trainable | frozen | workers | wall s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Run `{summary['name']}`",
+        "",
+        f"Composed model on the test split: accuracy **{summary['test_accuracy']:.4f}**, loss {summary['test_loss']:.4f}.",
+        "",
+    ]
+    lines += [
+        "| stage | status | val accuracy | val loss | trainable | frozen | workers | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in summary["stages"]:
         m = s["metrics"]
-        lines.append(f"| {s['name']} | {s['status']} | {m['val_accuracy']:.4f} | {m['val_loss']:.4f} | {s['trainable_params']:,} | {s['frozen_params']:,} | {s['num_workers']} | {s['wall_s']:.1f} |")
+        lines.append(
+            f"| {s['name']} | {s['status']} | {m['val_accuracy']:.4f} | {m['val_loss']:.4f} | {s['trainable_params']:,} | {s['frozen_params']:,} | {s['num_workers']} | {s['wall_s']:.1f} |"
+        )
     lines.append("")
     for s in summary["stages"]:
         rows = metrics.get(s["name"])
@@ -34,7 +46,13 @@ def build_report(run: str | Path) -> Path:
             lines += [f"## {s['name']}", "", f"![{s['name']} curves]({png.name})", ""]
     labels, predictions = read_predictions(run)
     classes = int(max(labels.max(), predictions.max())) + 1
-    png = plot_confusion(labels, predictions, classes, out / "confusion.png", f"{summary['name']}: composed model, test accuracy {summary['test_accuracy']:.4f}")
+    png = plot_confusion(
+        labels,
+        predictions,
+        classes,
+        out / "confusion.png",
+        f"{summary['name']}: composed model, test accuracy {summary['test_accuracy']:.4f}",
+    )
     lines += ["## Confusion matrix (test split)", "", f"![confusion matrix]({png.name})", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines))

@@ -11,8 +11,8 @@ event files with the same scalars.
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,8 +27,14 @@ METRICS_DIR = "metrics"
 PREDICTIONS_FILE = "test_predictions.parquet"
 
 
-def write_run_outputs(out: Path, cfg: PipelineConfig, records: list[dict[str, Any]], labels: np.ndarray, predictions: np.ndarray,
-                      log: Callable[[str], None] = print) -> None:
+def write_run_outputs(
+    out: Path,
+    cfg: PipelineConfig,
+    records: list[dict[str, Any]],
+    labels: np.ndarray,
+    predictions: np.ndarray,
+    log: Callable[[str], None] = print,
+) -> None:
     """Write the resolved config, per-stage metrics tables, the test predictions and TensorBoard events."""
     from cascade_ray.report.tensorboard import write_tensorboard
 
@@ -41,7 +47,9 @@ def write_run_outputs(out: Path, cfg: PipelineConfig, records: list[dict[str, An
         if rows:
             pq.write_table(_table(rows), out / METRICS_DIR / f"{record['name']}.parquet")
             tables[record["name"]] = rows
-    pq.write_table(pa.table({"label": labels.astype(np.int64), "prediction": predictions.astype(np.int64)}), out / PREDICTIONS_FILE)
+    pq.write_table(
+        pa.table({"label": labels.astype(np.int64), "prediction": predictions.astype(np.int64)}), out / PREDICTIONS_FILE
+    )
     write_tensorboard(out, tables, log)
 
 

@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 
 # (metric, title) per panel; a panel whose metric a stage never reported is left out
-_PANELS = (("loss", "loss"), ("val_accuracy", "validation accuracy"), ("lr", "learning rate"), ("grad_norm", "gradient norm"))
+_PANELS = (
+    ("loss", "loss"),
+    ("val_accuracy", "validation accuracy"),
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm"),
+)
 
 
 def _pyplot():
@@ -38,7 +43,11 @@ def plot_stage(rows: list[dict[str, Any]], stage: str, path: Path) -> Path:
     epoch_rows = [r for r in rows if r.get("kind", "epoch") == "epoch"]
     step_rows = [r for r in rows if r.get("kind") == "step"]
     x = "step" if step_rows else "epoch"
-    panels = [(key, title) for key, title in _PANELS if key == "loss" or any(_points(part, x, key)[0] for part in (epoch_rows, step_rows))]
+    panels = [
+        (key, title)
+        for key, title in _PANELS
+        if key == "loss" or any(_points(part, x, key)[0] for part in (epoch_rows, step_rows))
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         if key == "loss":
@@ -53,7 +62,11 @@ def plot_stage(rows: list[dict[str, Any]], stage: str, path: Path) -> Path:
             ax.legend(fontsize=8)
         else:
             source = step_rows if _points(step_rows, x, key)[0] else epoch_rows
-            ax.plot(*_points(source, x, key), marker="o" if source is epoch_rows else None, markersize=3 if source is step_rows else 6)
+            ax.plot(
+                *_points(source, x, key),
+                marker="o" if source is epoch_rows else None,
+                markersize=3 if source is step_rows else 6,
+            )
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         ax.set_title(title)
@@ -76,7 +89,15 @@ def plot_confusion(labels: np.ndarray, predictions: np.ndarray, num_classes: int
     image = ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
     for i in range(num_classes):
         for j in range(num_classes):
-            ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7, color="white" if rates[i, j] > 0.5 else "black")
+            ax.text(
+                j,
+                i,
+                str(counts[i, j]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if rates[i, j] > 0.5 else "black",
+            )
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_xticks(range(num_classes))

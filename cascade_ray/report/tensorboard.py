@@ -20,12 +20,16 @@ TENSORBOARD_DIR = "tensorboard"
 _NOT_SCALARS = ("stage", "kind", "epoch", "step")
 
 
-def write_tensorboard(out: Path, tables: Mapping[str, list[dict[str, Any]]], log: Callable[[str], None] = print) -> Path | None:
+def write_tensorboard(
+    out: Path, tables: Mapping[str, list[dict[str, Any]]], log: Callable[[str], None] = print
+) -> Path | None:
     """Write one event-file folder per stage; return ``{out}/tensorboard``, or None without tensorboard."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
-        log(f"info: tensorboard is not installed, so no event files; pip install 'cascade-ray[tensorboard]' to get {out / TENSORBOARD_DIR}/")
+        log(
+            f"info: tensorboard is not installed, so no event files; pip install 'cascade-ray[tensorboard]' to get {out / TENSORBOARD_DIR}/"
+        )
         return None
     root = out / TENSORBOARD_DIR
     for stage, rows in tables.items():
@@ -36,7 +40,12 @@ def write_tensorboard(out: Path, tables: Mapping[str, list[dict[str, Any]]], log
             for row in rows:
                 group = "step" if row.get("kind") == "step" else "epoch"
                 for key, value in row.items():
-                    if key in _NOT_SCALARS or not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                    if (
+                        key in _NOT_SCALARS
+                        or not isinstance(value, (int, float))
+                        or isinstance(value, bool)
+                        or not math.isfinite(value)
+                    ):
                         continue
                     writer.add_scalar(f"{group}/{key}", value, global_step=int(row["step"]))
     return root

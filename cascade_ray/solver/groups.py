@@ -35,7 +35,11 @@ def unmatched_group_issues(names: Sequence[str], solver: SolverConfig, path: str
         if j in owners:
             continue
         hits = [n for n in names if re.search(group.match, n)]
-        why = f"every parameter it matches is taken by an earlier group (first match wins), e.g. {hits[0]!r}" if hits else "it matches no trainable parameter"
+        why = (
+            f"every parameter it matches is taken by an earlier group (first match wins), e.g. {hits[0]!r}"
+            if hits
+            else "it matches no trainable parameter"
+        )
         sample = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
         issues.append(
             ConfigIssue(
@@ -68,7 +72,15 @@ def build_param_groups(named: NamedParams, solver: SolverConfig, path: str, stag
             if not part:
                 continue
             wd = settings["weight_decay"] if decay else 0.0
-            groups.append({"params": [p for _, p in part], "param_names": [n for n, _ in part], "name": label + ("" if decay else " (no decay)"), **settings, "weight_decay": wd})
+            groups.append(
+                {
+                    "params": [p for _, p in part],
+                    "param_names": [n for n, _ in part],
+                    "name": label + ("" if decay else " (no decay)"),
+                    **settings,
+                    "weight_decay": wd,
+                }
+            )
     return groups
 
 

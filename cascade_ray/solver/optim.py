@@ -33,8 +33,10 @@ def optimizer_names() -> list[str]:
     return sorted(
         name
         for name, obj in vars(torch.optim).items()
-        if inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer)
-        and obj is not torch.optim.Optimizer and name not in _UNSUPPORTED
+        if inspect.isclass(obj)
+        and issubclass(obj, torch.optim.Optimizer)
+        and obj is not torch.optim.Optimizer
+        and name not in _UNSUPPORTED
     )
 
 
@@ -68,7 +70,11 @@ def _arg_issues(solver_type: str, args: dict[str, Any], path: str, names: list[s
                 )
             )
         elif key == "betas":
-            issues += [ConfigIssue(f"{path}.betas[{i}]", f"beta {b} is outside [0, 1)", "typical: [0.9, 0.999]") for i, b in enumerate(value) if not 0.0 <= b < 1.0]
+            issues += [
+                ConfigIssue(f"{path}.betas[{i}]", f"beta {b} is outside [0, 1)", "typical: [0.9, 0.999]")
+                for i, b in enumerate(value)
+                if not 0.0 <= b < 1.0
+            ]
     return issues
 
 
@@ -76,19 +82,35 @@ def solver_issues(solver: SolverConfig, path: str) -> list[ConfigIssue]:
     """Problems with a stage's solver section (unknown optimizer, arguments it does not take, ...)."""
     from cascade_ray.config.loader import did_you_mean
 
-    issues = scheduler_issues(solver.lr_scheduler, f"{path}.lr_scheduler") + clip_issues(solver.grad_clip, f"{path}.grad_clip")
+    issues = scheduler_issues(solver.lr_scheduler, f"{path}.lr_scheduler") + clip_issues(
+        solver.grad_clip, f"{path}.grad_clip"
+    )
     if solver.scaler is not None and solver.precision != "fp16":
-        issues.append(ConfigIssue(f"{path}.scaler", f"the loss scaler is only used with precision fp16 (precision is {solver.precision!r})", f"remove {path}.scaler, or set {path}.precision: fp16"))
+        issues.append(
+            ConfigIssue(
+                f"{path}.scaler",
+                f"the loss scaler is only used with precision fp16 (precision is {solver.precision!r})",
+                f"remove {path}.scaler, or set {path}.precision: fp16",
+            )
+        )
     for j, group in enumerate(solver.param_groups):
         try:
             re.compile(group.match)
         except re.error as exc:
-            issues.append(ConfigIssue(f"{path}.param_groups[{j}].match", f"{group.match!r} is not a valid regex: {exc}", r"escape dots as \. and close every bracket"))
+            issues.append(
+                ConfigIssue(
+                    f"{path}.param_groups[{j}].match",
+                    f"{group.match!r} is not a valid regex: {exc}",
+                    r"escape dots as \. and close every bracket",
+                )
+            )
     names = optimizer_names()
     if solver.type not in names:
         hint = did_you_mean(solver.type, names)
         extra = f" ({solver.type} {_UNSUPPORTED[solver.type]})" if solver.type in _UNSUPPORTED else ""
-        return issues + [ConfigIssue(f"{path}.type", f"unknown optimizer {solver.type!r}{hint}{extra} (valid: {', '.join(names)})")]
+        return issues + [
+            ConfigIssue(f"{path}.type", f"unknown optimizer {solver.type!r}{hint}{extra} (valid: {', '.join(names)})")
+        ]
     issues += _arg_issues(solver.type, optimizer_args(solver), path, names)
     for j, group in enumerate(solver.param_groups):
         issues += _arg_issues(solver.type, optimizer_args(group), f"{path}.param_groups[{j}]", names)
@@ -98,13 +120,27 @@ def solver_issues(solver: SolverConfig, path: str) -> list[ConfigIssue]:
 def clip_issues(clip: GradClipConfig, path: str) -> list[ConfigIssue]:
     """Clipping keys that do not fit the clipping mode."""
     if clip.mode == "value" and clip.clip_value is None:
-        return [ConfigIssue(f"{path}.clip_value", "mode value needs clip_value", f"set {path}.clip_value, or use mode: norm with max_norm")]
+        return [
+            ConfigIssue(
+                f"{path}.clip_value",
+                "mode value needs clip_value",
+                f"set {path}.clip_value, or use mode: norm with max_norm",
+            )
+        ]
     if clip.mode == "norm" and clip.clip_value is not None:
-        return [ConfigIssue(f"{path}.clip_value", "clip_value is only used with mode: value; mode norm clips the global norm to max_norm", f"remove {path}.clip_value, or set {path}.mode: value")]
+        return [
+            ConfigIssue(
+                f"{path}.clip_value",
+                "clip_value is only used with mode: value; mode norm clips the global norm to max_norm",
+                f"remove {path}.clip_value, or set {path}.mode: value",
+            )
+        ]
     return []
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], solver: SolverConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], solver: SolverConfig
+) -> torch.optim.Optimizer:
     """Build the optimizer a validated solver section describes.
 
     Args:

@@ -28,7 +28,13 @@ def stage_solver_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     if stop is not None and stop.mode is not None:
         natural = "max" if stop.metric == "val_accuracy" else "min"
         if stop.mode != natural:
-            issues.append(ConfigIssue(f"{path}.train.early_stopping.mode", f"{stop.metric} improves by going {'up' if natural == 'max' else 'down'}, but mode is {stop.mode!r}", f"set mode: {natural}, or remove it (inferred from the metric)"))
+            issues.append(
+                ConfigIssue(
+                    f"{path}.train.early_stopping.mode",
+                    f"{stop.metric} improves by going {'up' if natural == 'max' else 'down'}, but mode is {stop.mode!r}",
+                    f"set mode: {natural}, or remove it (inferred from the metric)",
+                )
+            )
     return issues
 
 
@@ -51,7 +57,9 @@ def step_count_issues(cfg: PipelineConfig, n_train: int) -> tuple[list[ConfigIss
     return errors, warnings
 
 
-def stage_step_issues(stage: StageConfig, index: int, n_train: int, world: int) -> tuple[list[ConfigIssue], list[ConfigIssue]]:
+def stage_step_issues(
+    stage: StageConfig, index: int, n_train: int, world: int
+) -> tuple[list[ConfigIssue], list[ConfigIssue]]:
     """:func:`step_count_issues` for one stage trained by `world` ranks."""
     path = f"stages[{index}]"
     sched = stage.solver.lr_scheduler
@@ -59,8 +67,15 @@ def stage_step_issues(stage: StageConfig, index: int, n_train: int, world: int) 
     total = total_optimizer_steps(stage, n_train, world)
     micro = num_train_batches(n_train, stage.train.batch_size, world)
     per_epoch = num_optimizer_steps(n_train, stage.train.batch_size, world, accum)
-    how = (f"{stage.train.epochs} epoch(s) x {per_epoch} optimizer steps ({n_train} samples, batch_size {stage.train.batch_size}, "
-           f"{world} worker(s), accumulation_steps {accum})" + (f", capped by max_steps {stage.train.max_steps}" if stage.train.max_steps is not None and stage.train.max_steps < stage.train.epochs * per_epoch else ""))
+    how = (
+        f"{stage.train.epochs} epoch(s) x {per_epoch} optimizer steps ({n_train} samples, batch_size {stage.train.batch_size}, "
+        f"{world} worker(s), accumulation_steps {accum})"
+        + (
+            f", capped by max_steps {stage.train.max_steps}"
+            if stage.train.max_steps is not None and stage.train.max_steps < stage.train.epochs * per_epoch
+            else ""
+        )
+    )
     main = total - sched.warmup_steps
     errors: list[ConfigIssue] = []
     warnings: list[ConfigIssue] = []
@@ -77,27 +92,65 @@ def stage_step_issues(stage: StageConfig, index: int, n_train: int, world: int) 
         (errors if ratio > LENGTH_ERROR_FACTOR or ratio < 1 / LENGTH_ERROR_FACTOR else warnings).append(issue)
 
     if sched.warmup_steps >= total:
-        errors.append(ConfigIssue(f"{path}.solver.lr_scheduler.warmup_steps", f"warmup_steps {sched.warmup_steps} >= the stage's {total} optimizer steps ({how}): the lr never reaches its planned value", f"set warmup_steps below {total}, e.g. {max(0, total // 10)}"))
+        errors.append(
+            ConfigIssue(
+                f"{path}.solver.lr_scheduler.warmup_steps",
+                f"warmup_steps {sched.warmup_steps} >= the stage's {total} optimizer steps ({how}): the lr never reaches its planned value",
+                f"set warmup_steps below {total}, e.g. {max(0, total // 10)}",
+            )
+        )
         return errors, warnings
     if sched.type in ("CosineAnnealingLR", "cosine"):
         length("T_max", sched.T_max, "the cosine spans")
     elif sched.type == "OneCycleLR":
         length("total_steps", sched.total_steps, "the cycle spans")
     elif sched.type == "StepLR" and sched.step_size is not None and sched.step_size >= main:
-        issue = ConfigIssue(f"{path}.solver.lr_scheduler.step_size", f"step_size {sched.step_size} >= the stage's {main} optimizer steps after warmup ({how}): the lr never decays", f"set step_size below {main}, e.g. {max(1, main // 3)}")
+        issue = ConfigIssue(
+            f"{path}.solver.lr_scheduler.step_size",
+            f"step_size {sched.step_size} >= the stage's {main} optimizer steps after warmup ({how}): the lr never decays",
+            f"set step_size below {main}, e.g. {max(1, main // 3)}",
+        )
         (errors if sched.step_size > LENGTH_ERROR_FACTOR * main else warnings).append(issue)
     elif sched.type == "MultiStepLR" and sched.milestones:
         late = [m for m in sched.milestones if m >= main]
         if late:
-            issue = ConfigIssue(f"{path}.solver.lr_scheduler.milestones", f"milestones {late} are at or past the stage's {main} optimizer steps after warmup ({how}): they are never reached", f"use milestones below {main}")
+            issue = ConfigIssue(
+                f"{path}.solver.lr_scheduler.milestones",
+                f"milestones {late} are at or past the stage's {main} optimizer steps after warmup ({how}): they are never reached",
+                f"use milestones below {main}",
+            )
             (errors if min(sched.milestones) > LENGTH_ERROR_FACTOR * main else warnings).append(issue)
     elif sched.type == "ReduceLROnPlateau" and sched.patience >= stage.train.epochs:
-        warnings.append(ConfigIssue(f"{path}.solver.lr_scheduler.patience", f"patience {sched.patience} epochs >= train.epochs {stage.train.epochs}: the lr is never reduced", "lower patience or train more epochs"))
+        warnings.append(
+            ConfigIssue(
+                f"{path}.solver.lr_scheduler.patience",
+                f"patience {sched.patience} epochs >= train.epochs {stage.train.epochs}: the lr is never reduced",
+                "lower patience or train more epochs",
+            )
+        )
     stop = stage.train.early_stopping
     if stop is not None and stop.patience >= stage.train.epochs:
-        warnings.append(ConfigIssue(f"{path}.train.early_stopping.patience", f"patience {stop.patience} epochs >= train.epochs {stage.train.epochs}: early stopping never triggers", "lower patience or train more epochs"))
+        warnings.append(
+            ConfigIssue(
+                f"{path}.train.early_stopping.patience",
+                f"patience {stop.patience} epochs >= train.epochs {stage.train.epochs}: early stopping never triggers",
+                "lower patience or train more epochs",
+            )
+        )
     if accum > micro:
-        warnings.append(ConfigIssue(f"{path}.solver.accumulation_steps", f"accumulation_steps {accum} > the {micro} micro-batches per epoch: each epoch is a single, partial window", f"set accumulation_steps to at most {micro}"))
+        warnings.append(
+            ConfigIssue(
+                f"{path}.solver.accumulation_steps",
+                f"accumulation_steps {accum} > the {micro} micro-batches per epoch: each epoch is a single, partial window",
+                f"set accumulation_steps to at most {micro}",
+            )
+        )
     if stage.health.interval > total:
-        warnings.append(ConfigIssue(f"{path}.health.interval", f"interval {stage.health.interval} > the stage's {total} optimizer steps: gradient norm and update ratio are never measured", f"set health.interval below {total}"))
+        warnings.append(
+            ConfigIssue(
+                f"{path}.health.interval",
+                f"interval {stage.health.interval} > the stage's {total} optimizer steps: gradient norm and update ratio are never measured",
+                f"set health.interval below {total}",
+            )
+        )
     return errors, warnings

@@ -121,7 +121,9 @@ class LrSchedule:
             return False
         value, thr = metrics[self.cfg.monitor], self.cfg.threshold
         # torch's relative threshold: accuracy must beat best * (1 + thr), a loss best * (1 - thr)
-        if self._best is None or (value > self._best * (1.0 + thr) if self.cfg.monitor == "val_accuracy" else value < self._best * (1.0 - thr)):
+        if self._best is None or (
+            value > self._best * (1.0 + thr) if self.cfg.monitor == "val_accuracy" else value < self._best * (1.0 - thr)
+        ):
             self._best, self._bad_epochs = value, 0
             return False
         self._bad_epochs += 1
@@ -167,13 +169,35 @@ def scheduler_issues(cfg: SchedulerConfig, path: str) -> list[ConfigIssue]:
         default = None if key in ("T_max", "total_steps") else field.default
         if getattr(cfg, key) != default:
             takers = sorted({t for t, keys in SCHEDULER_KEYS.items() if key in keys and t != "cosine"})
-            issues.append(ConfigIssue(f"{path}.{key}", f"{cfg.type} does not use {key!r} ({key} is for {', '.join(takers)}); it would be silently ignored", f"remove {path}.{key}, or set {path}.type to one that uses it"))
+            issues.append(
+                ConfigIssue(
+                    f"{path}.{key}",
+                    f"{cfg.type} does not use {key!r} ({key} is for {', '.join(takers)}); it would be silently ignored",
+                    f"remove {path}.{key}, or set {path}.type to one that uses it",
+                )
+            )
     if cfg.type == "StepLR" and cfg.step_size is None:
-        issues.append(ConfigIssue(f"{path}.step_size", "StepLR needs step_size (optimizer steps between decays)", f"set {path}.step_size"))
+        issues.append(
+            ConfigIssue(
+                f"{path}.step_size", "StepLR needs step_size (optimizer steps between decays)", f"set {path}.step_size"
+            )
+        )
     if cfg.type == "MultiStepLR":
         ms = cfg.milestones
         if ms is None:
-            issues.append(ConfigIssue(f"{path}.milestones", "MultiStepLR needs milestones (optimizer steps at which lr decays)", f"set {path}.milestones, e.g. [1000, 2000]"))
+            issues.append(
+                ConfigIssue(
+                    f"{path}.milestones",
+                    "MultiStepLR needs milestones (optimizer steps at which lr decays)",
+                    f"set {path}.milestones, e.g. [1000, 2000]",
+                )
+            )
         elif any(b <= a for a, b in zip(ms, ms[1:])) or ms[0] < 1:
-            issues.append(ConfigIssue(f"{path}.milestones", f"{ms} must be positive and strictly increasing", "sort them and drop duplicates"))
+            issues.append(
+                ConfigIssue(
+                    f"{path}.milestones",
+                    f"{ms} must be positive and strictly increasing",
+                    "sort them and drop duplicates",
+                )
+            )
     return issues

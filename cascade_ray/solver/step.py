@@ -74,11 +74,19 @@ class Precision:
 def precision_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     """fp16 on a stage that runs without a GPU (``use_gpu: auto`` is checked where the device is known)."""
     if stage.solver.precision == "fp16" and stage.scaling.use_gpu is False:
-        return [ConfigIssue(f"{path}.precision", "fp16 needs a CUDA GPU, but scaling.use_gpu is false", f"set {path}.precision: bf16 (runs on CPU, no loss scaler needed), or scaling.use_gpu: true")]
+        return [
+            ConfigIssue(
+                f"{path}.precision",
+                "fp16 needs a CUDA GPU, but scaling.use_gpu is false",
+                f"set {path}.precision: bf16 (runs on CPU, no loss scaler needed), or scaling.use_gpu: true",
+            )
+        ]
     return []
 
 
-def build_precision(solver: SolverConfig, device: torch.device, path: str, make_scaler: ScalerFactory | None = None) -> Precision:
+def build_precision(
+    solver: SolverConfig, device: torch.device, path: str, make_scaler: ScalerFactory | None = None
+) -> Precision:
     """The :class:`Precision` of a solver section on `device`.
 
     Args:
@@ -94,12 +102,32 @@ def build_precision(solver: SolverConfig, device: torch.device, path: str, make_
     name = solver.precision
     if name == "fp16":
         if make_scaler is None and device.type != "cuda":
-            raise ConfigError([ConfigIssue(f"{path}.precision", f"fp16 needs a CUDA device; this stage runs on {device.type}", f"set {path}.precision: bf16 (runs on CPU, no loss scaler needed)")])
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        f"{path}.precision",
+                        f"fp16 needs a CUDA device; this stage runs on {device.type}",
+                        f"set {path}.precision: bf16 (runs on CPU, no loss scaler needed)",
+                    )
+                ]
+            )
         cfg = solver.scaler or ScalerConfig()
-        scaler = make_scaler(cfg) if make_scaler is not None else torch.amp.GradScaler("cuda", init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+        scaler = (
+            make_scaler(cfg)
+            if make_scaler is not None
+            else torch.amp.GradScaler("cuda", init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+        )
         return Precision(name, device.type, torch.float16, scaler)
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError([ConfigIssue(f"{path}.precision", f"bf16 is not supported by {torch.cuda.get_device_name(device)}", f"set {path}.precision: fp16 (with a loss scaler) or fp32")])
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    f"{path}.precision",
+                    f"bf16 is not supported by {torch.cuda.get_device_name(device)}",
+                    f"set {path}.precision: fp16 (with a loss scaler) or fp32",
+                )
+            ]
+        )
     return Precision(name, device.type, _DTYPES[name])
 
 

@@ -73,7 +73,12 @@ def augment(x: torch.Tensor, cfg: AugmentConfig, generator: torch.Generator | No
         ox = torch.randint(0, 2 * p + 1, (b, 1), generator=generator, device=x.device)
         rows = (oy + torch.arange(h, device=x.device))[:, None, :, None]
         cols = (ox + torch.arange(w, device=x.device))[:, None, None, :]
-        x = padded[torch.arange(b, device=x.device)[:, None, None, None], torch.arange(c, device=x.device)[None, :, None, None], rows, cols]
+        x = padded[
+            torch.arange(b, device=x.device)[:, None, None, None],
+            torch.arange(c, device=x.device)[None, :, None, None],
+            rows,
+            cols,
+        ]
     return x
 
 

@@ -27,7 +27,16 @@ from cascade_ray.errors import ConfigError
 from cascade_ray.health import HealthMonitor, LoopHooks, LoopState
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
 from cascade_ray.preflight import require_plans
-from cascade_ray.solver import EarlyStopping, build_optimizer, build_param_groups, build_precision, build_scheduler, clip_gradients, stage_step_issues, total_optimizer_steps
+from cascade_ray.solver import (
+    EarlyStopping,
+    build_optimizer,
+    build_param_groups,
+    build_precision,
+    build_scheduler,
+    clip_gradients,
+    stage_step_issues,
+    total_optimizer_steps,
+)
 from cascade_ray.stage.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
 from cascade_ray.stage.freeze import TrainablePlan, apply_freeze, frozen_digest, plan_trainable
 from cascade_ray.stage.resume import restore_trainer_state, trainer_state
@@ -43,7 +52,9 @@ class Reporter(Protocol):
     def all_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks."""
 
-    def report(self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None) -> None:
+    def report(
+        self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None
+    ) -> None:
         """Publish one epoch's metrics; rank 0 passes the model and trainer state to checkpoint."""
 
 
@@ -66,7 +77,9 @@ def stage_seed(cfg: PipelineConfig, index: int) -> int:
     return cfg.seed * 1009 + index
 
 
-def build_stage_model(cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None) -> tuple[CascadeModel, TrainablePlan]:
+def build_stage_model(
+    cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None
+) -> tuple[CascadeModel, TrainablePlan]:
     """The composed model for stage `index` with upstream weights loaded and frozen."""
     plans = require_plans(cfg, data.image_shape, data.num_classes)
     torch.manual_seed(stage_seed(cfg, index))
@@ -78,7 +91,9 @@ def build_stage_model(cfg: PipelineConfig, index: int, data: DataSplits, upstrea
         own = {k for k in model.state_dict() if k.split(".")[1] == stage.name}
         missing, unexpected = _load_upstream(model, upstream)
         if set(missing) != own or unexpected:
-            raise RuntimeError(f"upstream weights do not fit stage {stage.name!r}: missing {sorted(set(missing) - own)[:5]}, unexpected {unexpected[:5]}")
+            raise RuntimeError(
+                f"upstream weights do not fit stage {stage.name!r}: missing {sorted(set(missing) - own)[:5]}, unexpected {unexpected[:5]}"
+            )
     plan = plan_trainable(model, cfg, index)
     apply_freeze(model, plan)
     return model, plan
@@ -92,8 +107,16 @@ def _load_upstream(model: nn.Module, upstream: Mapping[str, np.ndarray]) -> tupl
 
 
 def run_stage(
-    cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None, reporter: Reporter, device: torch.device,
-    wrap=None, hooks: LoopHooks | None = None, resume: Mapping[str, Any] | None = None, features: Mapping[str, np.ndarray] | None = None,
+    cfg: PipelineConfig,
+    index: int,
+    data: DataSplits,
+    upstream: Mapping[str, np.ndarray] | None,
+    reporter: Reporter,
+    device: torch.device,
+    wrap=None,
+    hooks: LoopHooks | None = None,
+    resume: Mapping[str, Any] | None = None,
+    features: Mapping[str, np.ndarray] | None = None,
 ) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
@@ -126,7 +149,9 @@ def run_stage(
     model.to(device)
     digest = frozen_digest(model, plan)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    log_vars = nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
+    log_vars = (
+        nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
+    )
     if log_vars is not None:
         named.append(("loss.log_vars", log_vars))
     params = [p for _, p in named]
@@ -135,8 +160,24 @@ def run_stage(
     scheduler = build_scheduler(optimizer, solver.lr_scheduler, total_steps)
     precision = build_precision(solver, device, f"{path}.solver", hooks.make_scaler)
     net = wrap(model) if wrap is not None else model
-    monitor = HealthMonitor(stage, index, named, optimizer, scheduler, precision, model, plan, reporter.rank, reporter.all_sum)
-    state = LoopState(stage, index, model, net, plan, named, optimizer, scheduler, precision, monitor, rank=reporter.rank, world=reporter.world, total_steps=total_steps)
+    monitor = HealthMonitor(
+        stage, index, named, optimizer, scheduler, precision, model, plan, reporter.rank, reporter.all_sum
+    )
+    state = LoopState(
+        stage,
+        index,
+        model,
+        net,
+        plan,
+        named,
+        optimizer,
+        scheduler,
+        precision,
+        monitor,
+        rank=reporter.rank,
+        world=reporter.world,
+        total_steps=total_steps,
+    )
     hooks.on_setup(state)
 
     train_src, val_src = _sources(model, stage.name, data, features, device)
@@ -149,7 +190,9 @@ def run_stage(
     start_epoch, step, stop, history = 0, 0, False, []
     if resume is not None:  # a restarted worker group: continue after its last checkpoint
         load_numpy_state(model, resume["model"])
-        start_epoch, step, monitor.skipped, history = restore_trainer_state(resume["trainer"], optimizer, scheduler, precision, stopper, stage.name)
+        start_epoch, step, monitor.skipped, history = restore_trainer_state(
+            resume["trainer"], optimizer, scheduler, precision, stopper, stage.name
+        )
         monitor.scheduled = scheduler.steps
         if reporter.rank == 0:
             print(f"[{stage.name}] resumed after epoch {start_epoch} at optimizer step {step}", flush=True)
@@ -159,7 +202,16 @@ def run_stage(
         state.epoch = epoch
         started, seen, epoch_steps, loss_sum = time.perf_counter(), 0, 0, torch.zeros(len(heads) + 1, device=device)
         step_rows, logged = [], (0, 0.0)  # rank 0's per-step rows of this epoch; (samples, loss sum) at the last row
-        batches = list(train_batches(len(train_src), train.batch_size, rank=reporter.rank, world=reporter.world, seed=stage_seed(cfg, index), epoch=epoch))
+        batches = list(
+            train_batches(
+                len(train_src),
+                train.batch_size,
+                rank=reporter.rank,
+                world=reporter.world,
+                seed=stage_seed(cfg, index),
+                epoch=epoch,
+            )
+        )
         for batch, window, last in accumulation_windows(batches, solver.accumulation_steps):
             x, y = train_src.batch(batch)
             if train.augment.enabled:
@@ -192,8 +244,13 @@ def run_stage(
                 elapsed = time.perf_counter() - started
                 loss_total = loss_sum[0].item()  # the one device sync of a logged step
                 state.row = {
-                    "kind": "step", "epoch": epoch + 1, "step": step, "train_loss": (loss_total - logged[1]) / max(seen - logged[0], 1),  # mean since the last row
-                    "lr": scheduler.get_last_lr()[0], **monitor.step_metrics(step), "samples_per_s": seen * reporter.world / elapsed,
+                    "kind": "step",
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "train_loss": (loss_total - logged[1]) / max(seen - logged[0], 1),  # mean since the last row
+                    "lr": scheduler.get_last_lr()[0],
+                    **monitor.step_metrics(step),
+                    "samples_per_s": seen * reporter.world / elapsed,
                 }
                 step_rows.append(state.row)
                 logged = (seen, loss_total)
@@ -212,7 +269,14 @@ def run_stage(
         train_s = time.perf_counter() - started
         monitor.end_epoch(step, loss_sum, digest)
         sums = reporter.all_sum([float(seen), *loss_sum.tolist()])
-        metrics = {"epoch": epoch + 1, "step": step, "optimizer_steps": epoch_steps, "train_loss": sums[1] / sums[0], "lr": scheduler.get_last_lr()[0], "samples_per_s": sums[0] / train_s}
+        metrics = {
+            "epoch": epoch + 1,
+            "step": step,
+            "optimizer_steps": epoch_steps,
+            "train_loss": sums[1] / sums[0],
+            "lr": scheduler.get_last_lr()[0],
+            "samples_per_s": sums[0] / train_s,
+        }
         if stage.type == "joint":
             metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(heads)}
         metrics |= evaluate(model, val_src, heads[-1], stage, reporter, prefix="val_")
@@ -220,10 +284,24 @@ def run_stage(
         # the reported metrics stay flat; the history (summary, artifact manifest, resume state) also
         # carries this epoch's per-step rows, so they survive a reused stage (--resume)
         history.append(metrics | {"steps": step_rows} if step_rows else metrics)
-        resumable = trainer_state(optimizer, scheduler, precision, stopper, epochs_done=epoch + 1, step=step, skipped=monitor.skipped, history=history)
-        reporter.report(metrics, model.state_dict() if reporter.rank == 0 else None, resumable if reporter.rank == 0 else None)
+        resumable = trainer_state(
+            optimizer,
+            scheduler,
+            precision,
+            stopper,
+            epochs_done=epoch + 1,
+            step=step,
+            skipped=monitor.skipped,
+            history=history,
+        )
+        reporter.report(
+            metrics, model.state_dict() if reporter.rank == 0 else None, resumable if reporter.rank == 0 else None
+        )
         if scheduler.step_epoch(metrics) and reporter.rank == 0:
-            print(f"[{stage.name}] {solver.lr_scheduler.monitor} plateaued: lr now {scheduler.get_last_lr()[0]:.3g}", flush=True)
+            print(
+                f"[{stage.name}] {solver.lr_scheduler.monitor} plateaued: lr now {scheduler.get_last_lr()[0]:.3g}",
+                flush=True,
+            )
         if stopper.update(metrics):
             if reporter.rank == 0:
                 print(f"[{stage.name}] {stopper.reason()}", flush=True)
@@ -231,19 +309,36 @@ def run_stage(
         if stop:
             break
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return StageOutcome(trainable, sum(p.numel() for p in model.parameters()) - trainable, digest, step, reporter.world, history, monitor.warning_count, monitor.skipped)
+    return StageOutcome(
+        trainable,
+        sum(p.numel() for p in model.parameters()) - trainable,
+        digest,
+        step,
+        reporter.world,
+        history,
+        monitor.warning_count,
+        monitor.skipped,
+    )
 
 
-def _sources(model: CascadeModel, stage: str, data: DataSplits, features: Mapping[str, np.ndarray] | None, device: torch.device) -> tuple[ArraySource, ArraySource]:
+def _sources(
+    model: CascadeModel, stage: str, data: DataSplits, features: Mapping[str, np.ndarray] | None, device: torch.device
+) -> tuple[ArraySource, ArraySource]:
     """Train and validation batches: raw images, or the cached upstream features of each sample
     (then `model` starts at `stage`)."""
     if features is None:
-        return ArraySource(data.x_train, data.y_train, data.mean, data.std, device), ArraySource(data.x_val, data.y_val, data.mean, data.std, device)
+        return ArraySource(data.x_train, data.y_train, data.mean, data.std, device), ArraySource(
+            data.x_val, data.y_val, data.mean, data.std, device
+        )
     for split, labels in (("train", data.y_train), ("val", data.y_val)):
         if len(features[f"x_{split}"]) != len(labels):
-            raise RuntimeError(f"stage {stage!r}: the feature cache holds {len(features[f'x_{split}'])} {split} samples, the data {len(labels)}")
+            raise RuntimeError(
+                f"stage {stage!r}: the feature cache holds {len(features[f'x_{split}'])} {split} samples, the data {len(labels)}"
+            )
     model.input_stage = stage
-    return ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device), ArraySource(features["x_val"], data.y_val, 0.0, 1.0, device)
+    return ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device), ArraySource(
+        features["x_val"], data.y_val, 0.0, 1.0, device
+    )
 
 
 def _check_step_counts(stage: StageConfig, index: int, n_train: int, reporter: Reporter) -> None:
@@ -256,7 +351,14 @@ def _check_step_counts(stage: StageConfig, index: int, n_train: int, reporter: R
             print(f"WARNING config: {issue.render()}", flush=True)
 
 
-def stage_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor, stage: StageConfig, scales: Mapping[str, float], log_vars: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def stage_loss(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    stage: StageConfig,
+    scales: Mapping[str, float],
+    log_vars: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The stage's training loss and its per-head terms (`scales`: head -> loss.scale, in order).
 
     One head: ``scale * CE``. A joint stage sums ``scale_i * CE_i`` over its heads, or with
@@ -266,16 +368,28 @@ def stage_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor, stage: StageCon
     terms = [F.cross_entropy(outs[n], y, label_smoothing=stage.loss.label_smoothing) for n in scales]
     if log_vars is None:
         return sum(s * t for s, t in zip(scales.values(), terms)), terms  # type: ignore[return-value]
-    return sum(torch.exp(-log_vars[i]) * s * t + log_vars[i] for i, (s, t) in enumerate(zip(scales.values(), terms))), terms  # type: ignore[return-value]
+    return sum(
+        torch.exp(-log_vars[i]) * s * t + log_vars[i] for i, (s, t) in enumerate(zip(scales.values(), terms))
+    ), terms  # type: ignore[return-value]
 
 
 @torch.no_grad()
-def evaluate(model: CascadeModel, source: ArraySource, head: str, stage: StageConfig, reporter: Reporter, prefix: str, max_batches: int | None = None) -> dict[str, float]:
+def evaluate(
+    model: CascadeModel,
+    source: ArraySource,
+    head: str,
+    stage: StageConfig,
+    reporter: Reporter,
+    prefix: str,
+    max_batches: int | None = None,
+) -> dict[str, float]:
     """Loss and accuracy of `head` over a split (its first `max_batches` batches), summed across ranks."""
     was_training = model.training
     model.eval()
     loss, correct, count = 0.0, 0.0, 0.0
-    for batch in itertools.islice(eval_batches(len(source), stage.train.eval_batch_size, rank=reporter.rank, world=reporter.world), max_batches):
+    for batch in itertools.islice(
+        eval_batches(len(source), stage.train.eval_batch_size, rank=reporter.rank, world=reporter.world), max_batches
+    ):
         x, y = source.batch(batch)
         logits = model(x, heads=[head])[head]
         loss += F.cross_entropy(logits, y, reduction="sum").item()
@@ -283,4 +397,7 @@ def evaluate(model: CascadeModel, source: ArraySource, head: str, stage: StageCo
         count += len(y)
     model.train(was_training)
     loss, correct, count = reporter.all_sum([loss, correct, count])
-    return {f"{prefix}loss": loss / count if count else math.nan, f"{prefix}accuracy": correct / count if count else math.nan}
+    return {
+        f"{prefix}loss": loss / count if count else math.nan,
+        f"{prefix}accuracy": correct / count if count else math.nan,
+    }

@@ -35,7 +35,9 @@ def observer_config(cfg: PipelineConfig, index: int, run_dir: Any) -> dict[str, 
     }
 
 
-def observer_hooks(loop_config: Mapping[str, Any], cfg: PipelineConfig, index: int, rank: int, world: int, device: torch.device) -> tuple[LoopHooks, Callable[[], None]]:
+def observer_hooks(
+    loop_config: Mapping[str, Any], cfg: PipelineConfig, index: int, rank: int, world: int, device: torch.device
+) -> tuple[LoopHooks, Callable[[], None]]:
     """Hooks for this worker, and what to call when the stage ends (success or not)."""
     from cascade_ray.progress import ProgressHook, send_note
 
@@ -44,7 +46,14 @@ def observer_hooks(loop_config: Mapping[str, Any], cfg: PipelineConfig, index: i
     hooks: list[LoopHooks] = []
     if rank == 0 and board is not None:
         samples = stage.train.batch_size * stage.solver.accumulation_steps * world
-        progress = ProgressHook(board, stage=stage.name, index=index, stages=len(cfg.stages), epochs=stage.train.epochs, samples_per_step=samples)
+        progress = ProgressHook(
+            board,
+            stage=stage.name,
+            index=index,
+            stages=len(cfg.stages),
+            epochs=stage.train.epochs,
+            samples_per_step=samples,
+        )
         hooks.append(LoopHooks(after_optimizer_step=progress, on_log=_quiet))  # the driver shows progress
     elif loop_config.get("log_level") == "warning":
         hooks.append(LoopHooks(on_log=_quiet))

@@ -20,7 +20,17 @@ from cascade_ray.solver.stopping import EarlyStopping
 TRAINER_STATE = "trainer_state.pt"
 
 
-def trainer_state(optimizer: torch.optim.Optimizer, scheduler: LrSchedule, precision: Precision, stopper: EarlyStopping, *, epochs_done: int, step: int, skipped: int, history: list[dict[str, float]]) -> dict[str, Any]:
+def trainer_state(
+    optimizer: torch.optim.Optimizer,
+    scheduler: LrSchedule,
+    precision: Precision,
+    stopper: EarlyStopping,
+    *,
+    epochs_done: int,
+    step: int,
+    skipped: int,
+    history: list[dict[str, float]],
+) -> dict[str, Any]:
     """The resumable state after `epochs_done` full epochs."""
     return {
         "epochs_done": epochs_done,
@@ -36,7 +46,14 @@ def trainer_state(optimizer: torch.optim.Optimizer, scheduler: LrSchedule, preci
     }
 
 
-def restore_trainer_state(state: dict[str, Any], optimizer: torch.optim.Optimizer, scheduler: LrSchedule, precision: Precision, stopper: EarlyStopping, stage: str) -> tuple[int, int, int, list[dict[str, float]]]:
+def restore_trainer_state(
+    state: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scheduler: LrSchedule,
+    precision: Precision,
+    stopper: EarlyStopping,
+    stage: str,
+) -> tuple[int, int, int, list[dict[str, float]]]:
     """Load :func:`trainer_state` into the solver pieces; return (start epoch, step, skipped, history)."""
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

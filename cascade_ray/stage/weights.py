@@ -51,12 +51,17 @@ def state_digests(state: Mapping[str, torch.Tensor | np.ndarray], keys: Iterable
     return {k: tensor_digest(state[k]) for k in wanted}
 
 
-def save_safetensors(state: Mapping[str, np.ndarray | torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    state: Mapping[str, np.ndarray | torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
     """Write a state dict as safetensors (no pickle)."""
     from safetensors.numpy import save_file
 
     # np.ascontiguousarray would turn 0-d tensors (BatchNorm's num_batches_tracked) into 1-d
-    arrays = {k: np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, order="C") for k, v in state.items()}
+    arrays = {
+        k: np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, order="C")
+        for k, v in state.items()
+    }
     save_file(arrays, str(path), metadata=metadata)
 
 
@@ -74,7 +79,7 @@ def read_state_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         from safetensors import safe_open
 
         with safe_open(str(p), framework="numpy") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
     return {k: tuple(v.shape) for k, v in load_state_file(p).items()}
 
 

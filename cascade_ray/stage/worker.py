@@ -50,7 +50,9 @@ class RayReporter:
         dist.all_reduce(t)
         return t.tolist()
 
-    def report(self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None) -> None:
+    def report(
+        self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None
+    ) -> None:
         if state is None:
             ray.train.report(metrics)
             return
@@ -114,27 +116,46 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     (data_ref,) = loop_config["data_ref"]
     data = DataSplits.from_arrays(ray.get(data_ref))
     upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
-    features = ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None  # cached upstream outputs
+    features = (
+        ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None
+    )  # cached upstream outputs
     device = ray.train.torch.get_device()
     reporter = RayReporter(device)
     wrap = _ddp_wrapper(cfg.stages[index], device) if reporter.world > 1 else None
-    hooks = LoopHooks(after_optimizer_step=FaultInjection(loop_config.get("fault_once", ""), cfg.stages[index].name, reporter.rank))
-    observe, finish_observing = observer_hooks(loop_config, cfg, index, reporter.rank, reporter.world, device)  # progress board, --profile
+    hooks = LoopHooks(
+        after_optimizer_step=FaultInjection(loop_config.get("fault_once", ""), cfg.stages[index].name, reporter.rank)
+    )
+    observe, finish_observing = observer_hooks(
+        loop_config, cfg, index, reporter.rank, reporter.world, device
+    )  # progress board, --profile
     try:
-        outcome = run_stage(cfg, index, data, upstream, reporter, device, wrap=wrap, hooks=chain_hooks(hooks, observe), resume=read_resume_state(), features=features)
+        outcome = run_stage(
+            cfg,
+            index,
+            data,
+            upstream,
+            reporter,
+            device,
+            wrap=wrap,
+            hooks=chain_hooks(hooks, observe),
+            resume=read_resume_state(),
+            features=features,
+        )
     finally:
         finish_observing()
     return dataclasses.asdict(outcome) if reporter.rank == 0 else None
 
 
-def _ddp_wrapper(stage: StageConfig, device: torch.device):  # noqa: ANN202
+def _ddp_wrapper(stage: StageConfig, device: torch.device):
     """DDP through Ray Train; with ``scaling.sync_batchnorm`` the trainable BatchNorm layers
     become SyncBatchNorm first (DDP must wrap the converted model)."""
 
     def wrap(model: nn.Module) -> nn.Module:
         if stage.scaling.sync_batchnorm:
             if device.type != "cuda":
-                raise ResourceError(f"stage {stage.name!r}: scaling.sync_batchnorm needs CUDA workers (torch's SyncBatchNorm), but this worker runs on {device.type}. Set sync_batchnorm: false or use_gpu: true.")
+                raise ResourceError(
+                    f"stage {stage.name!r}: scaling.sync_batchnorm needs CUDA workers (torch's SyncBatchNorm), but this worker runs on {device.type}. Set sync_batchnorm: false or use_gpu: true."
+                )
             convert_trainable_batchnorm(model)
         return ray.train.torch.prepare_model(model, move_to_device=False)
 
@@ -155,7 +176,11 @@ def convert_trainable_batchnorm(model: nn.Module) -> list[str]:
     converted = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, nn.SyncBatchNorm) and child.training:
+            if (
+                isinstance(child, nn.modules.batchnorm._BatchNorm)
+                and not isinstance(child, nn.SyncBatchNorm)
+                and child.training
+            ):
                 setattr(parent, name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
                 converted.append(f"{parent_name}.{name}".lstrip("."))
     return converted

@@ -41,19 +41,29 @@ class SweepOutcome:
     best_yaml: Path
 
 
-def sweep_stage(session: StageSession, space: TuneSpace, space_file: str, upstream: Handoff | None, *, resume: bool) -> SweepOutcome:
+def sweep_stage(
+    session: StageSession, space: TuneSpace, space_file: str, upstream: Handoff | None, *, resume: bool
+) -> SweepOutcome:
     """Run one stage's sweep on top of `upstream` (frozen, one object-store copy for all trials)."""
     exp_dir = session.out / "tune" / space.stage
     cache = session.feature_cache(session.cfg.stage_index(space.stage), upstream)  # one copy for every trial
     tuner = build_tuner(
-        session.cfg, space, space_file=space_file, data_ref=session.data_ref, upstream_ref=upstream.ref if upstream else None, exp_dir=exp_dir, resume=resume,
+        session.cfg,
+        space,
+        space_file=space_file,
+        data_ref=session.data_ref,
+        upstream_ref=upstream.ref if upstream else None,
+        exp_dir=exp_dir,
+        resume=resume,
         features_ref=cache.ref if cache else None,
     )
     grid = tuner.fit()
     frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)
     errors = [r.error for r in grid if r.error is not None]
     if frame.empty or space.metric not in frame:
-        raise CascadeError(f"sweep of {space.stage!r}: no trial reported {space.metric!r}; first error: {errors[0] if errors else 'none'}")
+        raise CascadeError(
+            f"sweep of {space.stage!r}: no trial reported {space.metric!r}; first error: {errors[0] if errors else 'none'}"
+        )
     frame = frame.sort_values(space.metric, ascending=space.mode == "min").reset_index(drop=True)
     keep = ["trial_id", space.metric, "epoch", *[c for c in frame.columns if c.startswith(CONFIG_PREFIX)]]
     table = frame[[c for c in keep if c in frame.columns]]
@@ -66,11 +76,24 @@ def sweep_stage(session: StageSession, space: TuneSpace, space_file: str, upstre
         f"# best of {len(frame)} trials of stage {space.stage!r} by {space.metric} ({space.mode})\n"
         + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values.items()}, sort_keys=True)
     )
-    history = [{k: v for k, v in row.items() if not k.startswith(CONFIG_PREFIX)} for row in best.metrics_dataframe.to_dict("records")] if best.metrics_dataframe is not None else []
+    history = (
+        [
+            {k: v for k, v in row.items() if not k.startswith(CONFIG_PREFIX)}
+            for row in best.metrics_dataframe.to_dict("records")
+        ]
+        if best.metrics_dataframe is not None
+        else []
+    )
     trial_id = best.metrics["trial_id"]
     return SweepOutcome(
-        space.stage, values, float(best.metrics[space.metric]), exp_dir / "trials" / f"trial-{trial_id}", history,
-        table.to_dict("records"), results_path, best_yaml,
+        space.stage,
+        values,
+        float(best.metrics[space.metric]),
+        exp_dir / "trials" / f"trial-{trial_id}",
+        history,
+        table.to_dict("records"),
+        results_path,
+        best_yaml,
     )
 
 
@@ -78,26 +101,36 @@ def format_results(outcome: SweepOutcome, metric: str, limit: int = 20) -> str:
     """The results table, best first."""
     rows = outcome.table[:limit]
     keys = [k for k in rows[0] if k.startswith(CONFIG_PREFIX)] if rows else []
-    head = f"{'trial':<14} {metric:>12} {'epochs':>6} " + " ".join(f"{k[len(CONFIG_PREFIX):]:>22}" for k in keys)
+    head = f"{'trial':<14} {metric:>12} {'epochs':>6} " + " ".join(f"{k[len(CONFIG_PREFIX) :]:>22}" for k in keys)
     lines = [head] + [
-        f"{str(r['trial_id']):<14} {r[metric]:>12.4f} {int(r.get('epoch', 0)):>6} " + " ".join(f"{_fmt(r[k]):>22}" for k in keys) for r in rows
+        f"{str(r['trial_id']):<14} {r[metric]:>12.4f} {int(r.get('epoch', 0)):>6} "
+        + " ".join(f"{_fmt(r[k]):>22}" for k in keys)
+        for r in rows
     ]
     lines.append(f"best -> {outcome.best_yaml}  (table: {outcome.results_path})")
     return "\n".join(lines)
 
 
-def adopt_best(session: StageSession, index: int, upstream: Handoff | None, outcome: SweepOutcome) -> tuple[PipelineConfig, dict[str, Any], Handoff]:
+def adopt_best(
+    session: StageSession, index: int, upstream: Handoff | None, outcome: SweepOutcome
+) -> tuple[PipelineConfig, dict[str, Any], Handoff]:
     """Make the best trial the stage: its config becomes the pipeline's, its weights the artifact."""
     cfg = trial_config(session.cfg, outcome.stage, outcome.best_values)
     session.cfg = cfg
     fp = stage_fingerprint(cfg, index, upstream.fingerprint if upstream else "", session.data_fp)
     result = ray.train.Result.from_path(str(outcome.best_trial_run))
-    record, handoff = session.finish(index, upstream, result, fp=fp, run_name=outcome.best_trial_run.name, started=time.perf_counter(), history=outcome.best_history)
+    record, handoff = session.finish(
+        index,
+        upstream,
+        result,
+        fp=fp,
+        run_name=outcome.best_trial_run.name,
+        started=time.perf_counter(),
+        history=outcome.best_history,
+    )
     record["status"] = "tuned"
     return cfg, record, handoff
 
 
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-

@@ -28,7 +28,9 @@ class _Strict(BaseModel):
 class Distribution(_Strict):
     """Exactly one of the keys: how to sample one stage value."""
 
-    loguniform: list[float] | None = Field(None, min_length=2, max_length=2, description="[low, high], both > 0, sampled log-uniformly.")
+    loguniform: list[float] | None = Field(
+        None, min_length=2, max_length=2, description="[low, high], both > 0, sampled log-uniformly."
+    )
     uniform: list[float] | None = Field(None, min_length=2, max_length=2, description="[low, high], sampled uniformly.")
     randint: list[int] | None = Field(None, min_length=2, max_length=2, description="[low, high), an integer.")
     choice: list[Any] | None = Field(None, min_length=1, description="Values, sampled uniformly.")
@@ -45,7 +47,9 @@ class Distribution(_Strict):
 class SchedulerSpec(_Strict):
     """Trial scheduler."""
 
-    type: Literal["asha", "fifo"] = Field("asha", description="`asha` stops poor trials early; `fifo` runs all to the end.")
+    type: Literal["asha", "fifo"] = Field(
+        "asha", description="`asha` stops poor trials early; `fifo` runs all to the end."
+    )
     grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it can be stopped.")
     max_t: int | None = Field(None, ge=1, description="ASHA: most epochs a trial runs; default the stage's epochs.")
     reduction_factor: float = Field(2.0, gt=1.0, description="ASHA: keep 1/reduction_factor of trials per rung.")
@@ -62,7 +66,9 @@ class TuneSpace(_Strict):
         None, ge=1, description="Trials at once; default: as many as the cluster's CPUs/GPUs can place."
     )
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec, description="Trial scheduler.")
-    search: Literal["random", "grid", "optuna"] = Field("random", description="Search algorithm (`optuna` when installed).")
+    search: Literal["random", "grid", "optuna"] = Field(
+        "random", description="Search algorithm (`optuna` when installed)."
+    )
     space: dict[str, Distribution] = Field(min_length=1, description="Dotted stage key -> distribution.")
     evaluate_current: bool = Field(
         True,
@@ -78,7 +84,9 @@ def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:
     try:
         space = TuneSpace.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError([ConfigIssue(format_path(e["loc"]), e["msg"]) for e in exc.errors(include_url=False)], str(path)) from None
+        raise ConfigError(
+            [ConfigIssue(format_path(e["loc"]), e["msg"]) for e in exc.errors(include_url=False)], str(path)
+        ) from None
     issues = space_issues(space, cfg)
     if issues:
         raise ConfigError(issues, str(path))
@@ -100,13 +108,26 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
 
     names = [s.name for s in cfg.stages]
     if space.stage not in names:
-        return [ConfigIssue("stage", f"no stage {space.stage!r}{did_you_mean(space.stage, names)} (stages: {', '.join(names)})")]
+        return [
+            ConfigIssue(
+                "stage", f"no stage {space.stage!r}{did_you_mean(space.stage, names)} (stages: {', '.join(names)})"
+            )
+        ]
     issues = []
     reported = metrics_reported(cfg, space.stage)
     if space.metric not in reported:
-        issues.append(ConfigIssue("metric", f"stage {space.stage!r} does not report {space.metric!r}{did_you_mean(space.metric, reported)} (reports: {', '.join(reported)})"))
+        issues.append(
+            ConfigIssue(
+                "metric",
+                f"stage {space.stage!r} does not report {space.metric!r}{did_you_mean(space.metric, reported)} (reports: {', '.join(reported)})",
+            )
+        )
     if space.search == "grid" and any(d.kind() != "grid" for d in space.space.values()):
-        issues.append(ConfigIssue("search", "search: grid needs every space entry to be a grid", "use search: random, or grid lists only"))
+        issues.append(
+            ConfigIssue(
+                "search", "search: grid needs every space entry to be a grid", "use search: random, or grid lists only"
+            )
+        )
     for key, dist in space.space.items():
         issues += _distribution_issues(f"space.{key}", dist)
         for value in _probe_values(dist):
@@ -120,14 +141,26 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
 def _distribution_issues(path: str, dist: Distribution) -> list[ConfigIssue]:
     set_keys = [k for k in Distribution.model_fields if getattr(dist, k) is not None]
     if len(set_keys) != 1:
-        return [ConfigIssue(path, f"give exactly one distribution, got {set_keys or 'none'}", "e.g. {loguniform: [1e-4, 1e-2]}")]
+        return [
+            ConfigIssue(
+                path, f"give exactly one distribution, got {set_keys or 'none'}", "e.g. {loguniform: [1e-4, 1e-2]}"
+            )
+        ]
     kind, values = set_keys[0], dist.values()
     if kind in ("loguniform", "uniform", "randint"):
         low, high = values
         if not low < high:
-            return [ConfigIssue(f"{path}.{kind}", f"empty or inverted range [{low}, {high}]", "write [low, high] with low < high")]
+            return [
+                ConfigIssue(
+                    f"{path}.{kind}", f"empty or inverted range [{low}, {high}]", "write [low, high] with low < high"
+                )
+            ]
         if kind == "loguniform" and low <= 0:
-            return [ConfigIssue(f"{path}.{kind}", f"a log range must be > 0, got low {low}", "use a positive low bound, e.g. 1e-6")]
+            return [
+                ConfigIssue(
+                    f"{path}.{kind}", f"a log range must be > 0, got low {low}", "use a positive low bound, e.g. 1e-6"
+                )
+            ]
         if kind != "randint" and not all(math.isfinite(v) for v in values):
             return [ConfigIssue(f"{path}.{kind}", "bounds must be finite")]
     return []

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +60,19 @@ def max_concurrent(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> in
     total = ray.cluster_resources()
     fits = min(math.floor(total.get(k, 0.0) / v) for k, v in per_trial.items() if v > 0)
     if fits < 1:
-        raise ConfigError([ConfigIssue("stage", f"one trial of {space.stage!r} needs {per_trial}, the cluster has {total}")], space_file)
+        raise ConfigError(
+            [ConfigIssue("stage", f"one trial of {space.stage!r} needs {per_trial}, the cluster has {total}")],
+            space_file,
+        )
     if space.max_concurrent_trials is not None and space.max_concurrent_trials > fits:
         raise ConfigError(
-            [ConfigIssue("max_concurrent_trials", f"{space.max_concurrent_trials} trials x {per_trial} do not fit in the cluster ({fits} do)", f"set max_concurrent_trials: {fits} or less")],
+            [
+                ConfigIssue(
+                    "max_concurrent_trials",
+                    f"{space.max_concurrent_trials} trials x {per_trial} do not fit in the cluster ({fits} do)",
+                    f"set max_concurrent_trials: {fits} or less",
+                )
+            ],
             space_file,
         )
     return space.max_concurrent_trials or fits
@@ -79,7 +88,16 @@ def _run_trial(config: dict[str, Any], *, base: dict[str, Any], stage: str, refs
     data_ref, upstream_ref, features_ref = refs["data"], refs.get("upstream"), refs.get("features")
     # Train run named after the trial: unique per trial, stable across a Tune restore
     run = Path(ray_dir) / f"trial-{trial_id}"
-    fit_stage(cfg, index, data_ref=data_ref, upstream_ref=upstream_ref, ray_dir=run.parent, run_name=run.name, callbacks=[TuneReportCallback()], features_ref=features_ref)
+    fit_stage(
+        cfg,
+        index,
+        data_ref=data_ref,
+        upstream_ref=upstream_ref,
+        ray_dir=run.parent,
+        run_name=run.name,
+        callbacks=[TuneReportCallback()],
+        features_ref=features_ref,
+    )
     _drain_tune_reports()
     # which object-store copies this trial read: the same ids for every trial, by design
     (run / INPUTS_FILE).write_text(json.dumps({name: ref.hex() for name, ref in refs.items()}))
@@ -98,7 +116,9 @@ def _drain_tune_reports(timeout_s: float = 60.0) -> None:
     session = get_session()
     queue = getattr(session, "_inter_actor_queue", None)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and ((queue is not None and not queue.empty()) or not session.result_queue.empty()):
+    while time.monotonic() < deadline and (
+        (queue is not None and not queue.empty()) or not session.result_queue.empty()
+    ):
         time.sleep(0.05)
 
 
@@ -115,7 +135,11 @@ def baseline_asha(baseline: dict[str, Any] | None, **kwargs: Any) -> Any:
     class BaselineASHA(AsyncHyperBandScheduler):
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
             action = super().on_trial_result(tune_controller, trial, result)
-            if action == TrialScheduler.STOP and is_baseline(trial.config) and result.get(self._time_attr, 0) < self._max_t:
+            if (
+                action == TrialScheduler.STOP
+                and is_baseline(trial.config)
+                and result.get(self._time_attr, 0) < self._max_t
+            ):
                 self._num_stopped -= 1
                 return TrialScheduler.CONTINUE
             return action
@@ -126,7 +150,9 @@ def baseline_asha(baseline: dict[str, Any] | None, **kwargs: Any) -> Any:
     return BaselineASHA(**kwargs)
 
 
-def search_algorithm(space: TuneSpace, current: dict[str, Any] | None, concurrency: int, space_file: str, seed: int = 0) -> tuple[Any, int | None]:
+def search_algorithm(
+    space: TuneSpace, current: dict[str, Any] | None, concurrency: int, space_file: str, seed: int = 0
+) -> tuple[Any, int | None]:
     """(search algorithm, TuneConfig.max_concurrent_trials) for `space`.
 
     Random and grid search are a ``BasicVariantGenerator`` seeded with the pipeline seed (the
@@ -138,7 +164,10 @@ def search_algorithm(space: TuneSpace, current: dict[str, Any] | None, concurren
         try:
             from ray.tune.search.optuna import OptunaSearch
         except ImportError:
-            raise ConfigError([ConfigIssue("search", "optuna is not installed", "pip install optuna, or use search: random")], space_file) from None
+            raise ConfigError(
+                [ConfigIssue("search", "optuna is not installed", "pip install optuna, or use search: random")],
+                space_file,
+            ) from None
         return OptunaSearch(), concurrency
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -147,29 +176,54 @@ def search_algorithm(space: TuneSpace, current: dict[str, Any] | None, concurren
 
 
 def build_tuner(
-    cfg: PipelineConfig, space: TuneSpace, *, space_file: str, data_ref: ray.ObjectRef, upstream_ref: ray.ObjectRef | None, exp_dir: Path, resume: bool,
+    cfg: PipelineConfig,
+    space: TuneSpace,
+    *,
+    space_file: str,
+    data_ref: ray.ObjectRef,
+    upstream_ref: ray.ObjectRef | None,
+    exp_dir: Path,
+    resume: bool,
     features_ref: ray.ObjectRef | None = None,
 ) -> tune.Tuner:
     """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists); every trial
     reads the same data, upstream and (when the stage caches them) upstream-feature objects."""
     stage = cfg.stages[cfg.stage_index(space.stage)]
-    refs = {"data": data_ref} | ({"upstream": upstream_ref} if upstream_ref is not None else {}) | ({"features": features_ref} if features_ref is not None else {})
-    fn = functools.partial(_run_trial, base=cfg.model_dump(mode="json"), stage=space.stage, refs=refs, ray_dir=str(exp_dir / "trials"))
+    refs = (
+        {"data": data_ref}
+        | ({"upstream": upstream_ref} if upstream_ref is not None else {})
+        | ({"features": features_ref} if features_ref is not None else {})
+    )
+    fn = functools.partial(
+        _run_trial, base=cfg.model_dump(mode="json"), stage=space.stage, refs=refs, ray_dir=str(exp_dir / "trials")
+    )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     if resume and tune.Tuner.can_restore(str(exp_dir / "tune")):
-        return tune.Tuner.restore(str(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True)
+        return tune.Tuner.restore(
+            str(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True
+        )
     current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
     scheduler = None
     if space.scheduler.type == "asha":
         scheduler = baseline_asha(
-            current, time_attr="epoch", max_t=space.scheduler.max_t or stage.train.epochs, grace_period=space.scheduler.grace_period, reduction_factor=space.scheduler.reduction_factor
+            current,
+            time_attr="epoch",
+            max_t=space.scheduler.max_t or stage.train.epochs,
+            grace_period=space.scheduler.grace_period,
+            reduction_factor=space.scheduler.reduction_factor,
         )
-    search_alg, concurrent_trials = search_algorithm(space, current, max_concurrent(cfg, space, space_file), space_file, seed=cfg.seed)
+    search_alg, concurrent_trials = search_algorithm(
+        space, current, max_concurrent(cfg, space, space_file), space_file, seed=cfg.seed
+    )
     return tune.Tuner(
         trainable,
         param_space=param_space(space),
         tune_config=tune.TuneConfig(
-            metric=space.metric, mode=space.mode, num_samples=space.num_samples, scheduler=scheduler, search_alg=search_alg,
+            metric=space.metric,
+            mode=space.mode,
+            num_samples=space.num_samples,
+            scheduler=scheduler,
+            search_alg=search_alg,
             max_concurrent_trials=concurrent_trials,
             # a finished trial's driver process runs the next trial (no new process and imports
             # per trial); one still inside its fit after 2 s (an early-stopped trial) is killed

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from paths import ROOT
 
 HEAD_SCRIPT = ROOT / "cluster" / "local_head.sh"
@@ -35,7 +34,11 @@ class Head:
 
 
 def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
+    }
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # this venv's `ray` and python
     return env
 
@@ -106,10 +109,20 @@ def test_head_prints_exports_listens_on_loopback_and_requires_the_token(head):
 def test_debug_pipeline_runs_as_a_job_from_the_cli_and_from_the_python_client(head, tmp_path):
     storage = tmp_path / "runs"
     job_id = f"cascade-e2e-{uuid.uuid4().hex[:8]}"
-    entry = ["python", "pipelines/three_stage.py", "--config", "pipelines/configs/debug.yaml", f"storage_path={storage}"]
+    entry = [
+        "python",
+        "pipelines/three_stage.py",
+        "--config",
+        "pipelines/configs/debug.yaml",
+        f"storage_path={storage}",
+    ]
 
     # 1. the ray CLI, exactly as the README says (it waits and exits 1 if the job fails)
-    cli = _run([BIN / "ray", "job", "submit", "--submission-id", job_id, "--working-dir", ".", "--", *entry], head.env, timeout=420)
+    cli = _run(
+        [BIN / "ray", "job", "submit", "--submission-id", job_id, "--working-dir", ".", "--", *entry],
+        head.env,
+        timeout=420,
+    )
     assert cli.returncode == 0, (cli.stdout + cli.stderr)[-4000:]
     status = _run([BIN / "ray", "job", "status", job_id], head.env, timeout=60)
     assert re.search(rf"Job '{job_id}' succeeded", re.sub(r"\x1b\[[0-9;]*m", "", status.stdout + status.stderr))
@@ -131,11 +144,25 @@ def test_debug_pipeline_runs_as_a_job_from_the_cli_and_from_the_python_client(he
     assert size < MAX_UPLOAD_BYTES, f"working_dir upload is {size / 2**20:.1f} MiB; check .rayignore"
     names = {str(p.relative_to(packages[0])) for p in files}
     assert {"cascade_ray/storage.py", "cascade_ray/data/source.py", "pipelines/three_stage.py"} <= names
-    assert not any(n.split("/")[0] in (".venv", ".git", "tests", "runs", ".pytest_cache") or "__pycache__" in n for n in names)
+    assert not any(
+        n.split("/")[0] in (".venv", ".git", "tests", "runs", ".pytest_cache") or "__pycache__" in n for n in names
+    )
 
     # 2. `cascade-ray submit` (JobSubmissionClient): the same pipeline, storage as a file:// URI
     #    through pyarrow.fs, --resume: every stage is reused from the first job's artifacts
-    sub = _run([sys.executable, "-m", "cascade_ray.cli", "submit", "pipelines/configs/debug.yaml", f"storage_path=file://{storage}", "--resume"], head.env, timeout=300)
+    sub = _run(
+        [
+            sys.executable,
+            "-m",
+            "cascade_ray.cli",
+            "submit",
+            "pipelines/configs/debug.yaml",
+            f"storage_path=file://{storage}",
+            "--resume",
+        ],
+        head.env,
+        timeout=300,
+    )
     out = sub.stdout + sub.stderr
     assert sub.returncode == 0, out[-4000:]
     assert re.search(r"^job \S+: SUCCEEDED$", out, re.M)
@@ -144,9 +171,32 @@ def test_debug_pipeline_runs_as_a_job_from_the_cli_and_from_the_python_client(he
 
 
 def test_submit_checks_the_config_before_contacting_a_cluster(head, tmp_path):
-    sub = _run([sys.executable, "-m", "cascade_ray.cli", "submit", "pipelines/configs/debug.yaml", "storage_path=relative/runs", "stages[0].solver.type=Adamw"], head.env, timeout=120)
+    sub = _run(
+        [
+            sys.executable,
+            "-m",
+            "cascade_ray.cli",
+            "submit",
+            "pipelines/configs/debug.yaml",
+            "storage_path=relative/runs",
+            "stages[0].solver.type=Adamw",
+        ],
+        head.env,
+        timeout=120,
+    )
     assert sub.returncode == 2
     assert "stages[0].solver.type" in sub.stderr and "AdamW" in sub.stderr
-    sub = _run([sys.executable, "-m", "cascade_ray.cli", "submit", "pipelines/configs/debug.yaml", "storage_path=relative/runs"], head.env, timeout=120)
+    sub = _run(
+        [
+            sys.executable,
+            "-m",
+            "cascade_ray.cli",
+            "submit",
+            "pipelines/configs/debug.yaml",
+            "storage_path=relative/runs",
+        ],
+        head.env,
+        timeout=120,
+    )
     assert sub.returncode == 2 and "storage_path: relative path 'relative/runs'" in sub.stderr
     assert "submitted" not in sub.stdout

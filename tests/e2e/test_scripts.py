@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import signal
-import time
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
-
 from paths import CONFIGS, ROOT
 
 SCRIPT = ROOT / "pipelines" / "three_stage.py"
@@ -24,7 +23,9 @@ def _run(args, tmp_path, timeout=300):
     ray_tmp = Path(tempfile.mkdtemp(prefix="cr-", dir="/tmp"))
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path
+    )
     return proc, ray_tmp
 
 
@@ -52,14 +53,21 @@ def test_invalid_config_exits_2_listing_every_problem_and_starts_no_ray(tmp_path
     bad = tmp_path / "bad.yaml"
     text = (CONFIGS / "debug.yaml").read_text()
     text = text.replace("type: AdamW, lr: 1e-2, weight_decay: 1e-4", "type: Adamw, lr: 1e-2, betas: '0.9, 0.999'", 1)
-    text = text.replace("in_channels: 16, d_model", "in_channels: 32, d_model").replace("log_interval: 10}", "log_interval: 10, epoch: 1}", 1)
+    text = text.replace("in_channels: 16, d_model", "in_channels: 32, d_model").replace(
+        "log_interval: 10}", "log_interval: 10, epoch: 1}", 1
+    )
     assert text.count("Adamw") == 1 and text.count("epoch: 1") == 1, "the mutations must apply"
     bad.write_text(text)
     storage = tmp_path / "runs"
     for args in ([SCRIPT, "--config", bad, f"storage_path={storage}"], ["-m", "cascade_ray.cli", "validate", bad]):
         proc, ray_tmp = _run(args, tmp_path)
         assert proc.returncode == 2, proc.stderr
-        for path in ("stages[0].solver.type", "stages[0].solver.betas", "stages[0].train.epoch", "stages[1].model.in_channels"):
+        for path in (
+            "stages[0].solver.type",
+            "stages[0].solver.betas",
+            "stages[0].train.epoch",
+            "stages[1].model.in_channels",
+        ):
             assert path in proc.stderr
         assert "4 problem(s)" in proc.stderr
         assert not any(ray_tmp.iterdir()), "no Ray session may start for an invalid config"
@@ -81,7 +89,9 @@ def test_driver_killed_after_stage_one_resumes_to_the_same_result(debug_run, tmp
     env.pop("RAY_ADDRESS", None)
     args = [sys.executable, str(SCRIPT), "--config", str(CONFIGS / "debug.yaml"), f"storage_path={storage}"]
     # own process group: the kill takes the embedded Ray down with the driver, like a lost node
-    proc = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        args, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     manifest = storage / "debug" / "stages" / "features" / "manifest.json"
     deadline = time.monotonic() + 240
     while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -9,10 +9,12 @@ import json
 
 import pytest
 import torch
-
 from paths import CONFIGS
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch"),
+]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -26,7 +28,10 @@ def test_ray_train_picks_nccl_on_gpu_and_gloo_on_cpu(tmp_path, use_gpu, backend,
         import ray.train.torch
         import torch.distributed as dist
 
-        return {"backend": dist.get_backend(), "device": str(ray.train.torch.get_device())}  # rank 0's -> Result.return_value
+        return {
+            "backend": dist.get_backend(),
+            "device": str(ray.train.torch.get_device()),
+        }  # rank 0's -> Result.return_value
 
     ray.init(num_cpus=4, num_gpus=GPUS)
     try:
@@ -78,7 +83,14 @@ def _run(tmp_path, overrides):
 
 
 def test_debug_pipeline_on_gpu_with_auto_bf16_and_fp16_stages(tmp_path):
-    summary, lines = _run(tmp_path, ["stages.features.solver.precision=bf16", "stages.encoder.solver.precision=fp16", "stages.encoder.scaling.num_workers=1"])
+    summary, lines = _run(
+        tmp_path,
+        [
+            "stages.features.solver.precision=bf16",
+            "stages.encoder.solver.precision=fp16",
+            "stages.encoder.scaling.num_workers=1",
+        ],
+    )
     for stage in ("features", "encoder", "classifier"):
         assert f"stage {stage!r}: use_gpu auto -> GPU (NCCL) x 1 worker(s)" in lines
     on_disk = json.loads((tmp_path / "debug" / "summary.json").read_text())
@@ -89,7 +101,14 @@ def test_debug_pipeline_on_gpu_with_auto_bf16_and_fp16_stages(tmp_path):
 
 @pytest.mark.skipif(GPUS < 2, reason="a 2-worker NCCL stage needs 2 GPUs")
 def test_two_gpu_workers_with_sync_batchnorm(tmp_path):
-    summary, lines = _run(tmp_path, ["stages.features.scaling.num_workers=2", "stages.features.scaling.sync_batchnorm=true", "stages.encoder.scaling.num_workers=2"])
+    summary, lines = _run(
+        tmp_path,
+        [
+            "stages.features.scaling.num_workers=2",
+            "stages.features.scaling.sync_batchnorm=true",
+            "stages.encoder.scaling.num_workers=2",
+        ],
+    )
     assert "stage 'features': use_gpu auto -> GPU (NCCL) x 2 worker(s)" in lines
     features = next(r for r in summary["stages"] if r["name"] == "features")
     assert features["num_workers"] == 2 and features["status"] == "trained"

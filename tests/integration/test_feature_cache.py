@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.driver import run_pipeline
 from cascade_ray.pipeline.features import compute_features, upstream_outputs
-from paths import CONFIGS
 
 
 def _run(storage: Path, overrides: list[str] = (), **kwargs):

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.errors import FrozenDriftError, ResourceError
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.driver import run_pipeline
-from paths import CONFIGS
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,10 @@ def test_summary_lists_every_stage(debug_run):
         assert {"name", "metrics", "wall_s", "trainable_params", "frozen_params", "artifact", "digest"} <= set(stage)
     assert summary["stages"][1]["num_workers"] == 2  # DDP over gloo
     assert summary["stages"][0]["frozen_params"] == 0
-    assert summary["stages"][2]["frozen_params"] == summary["stages"][1]["frozen_params"] + summary["stages"][1]["trainable_params"]
+    assert (
+        summary["stages"][2]["frozen_params"]
+        == summary["stages"][1]["frozen_params"] + summary["stages"][1]["trainable_params"]
+    )
     # digits, 2 short epochs per stage: measured 0.95 in-process (chance is 0.1)
     assert summary["test_accuracy"] > 0.8
 
@@ -104,12 +107,15 @@ def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
     again = run_pipeline(cfg, resume=True, log=lambda _: None)
     assert [s["status"] for s in again["stages"]] == ["reused"] * 3
     assert again["test_accuracy"] == first["test_accuracy"]
+
     def step_rows(summary):  # (step, train loss) of every per-step row: carried by the artifact manifest
         return [[(r["step"], r["train_loss"]) for h in s["history"] for r in h["steps"]] for s in summary["stages"]]
 
     assert step_rows(again) == step_rows(first) and all(step_rows(first))
     storage = Path(first["storage"]).parent
-    changed = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}", "stages[2].solver.lr=5e-3"])  # downstream only
+    changed = load_config(
+        CONFIGS / "debug.yaml", [f"storage_path={storage}", "stages[2].solver.lr=5e-3"]
+    )  # downstream only
     rerun = run_pipeline(changed, resume=True, log=lambda _: None)
     assert [s["status"] for s in rerun["stages"]] == ["reused", "reused", "trained"]
     assert rerun["stages"][2]["fingerprint"] != first["stages"][2]["fingerprint"]
@@ -176,9 +182,15 @@ def test_progress_step_rows_tensorboard_and_profile(debug_run):
     shown = (run.parent / "driver_stdout.txt").read_text().splitlines()
     # plain lines (no TTY), ending each stage with its last step (2 epochs x 36 steps; 18 on 2 workers)
     progress = [line for line in shown if line.startswith("stage ")]
-    for done in ("stage 1/3 features | epoch 2/2 | step 72/72 | loss ", "stage 2/3 encoder | epoch 2/2 | step 36/36 | loss ", "stage 3/3 classifier | epoch 2/2 | step 72/72 | loss "):
+    for done in (
+        "stage 1/3 features | epoch 2/2 | step 72/72 | loss ",
+        "stage 2/3 encoder | epoch 2/2 | step 36/36 | loss ",
+        "stage 3/3 classifier | epoch 2/2 | step 72/72 | loss ",
+    ):
         assert any(line.startswith(done) for line in progress), progress
-    assert [line.split(" ")[1] for line in progress] == sorted(line.split(" ")[1] for line in progress)  # stage by stage
+    assert [line.split(" ")[1] for line in progress] == sorted(
+        line.split(" ")[1] for line in progress
+    )  # stage by stage
     assert not any("\r" in line for line in shown)
     # the profile: a Chrome trace in the run folder and its top operators, shown by the driver
     assert any(line.startswith("profile of stage 'encoder': 5 optimizer step(s) recorded") for line in shown), shown
@@ -189,7 +201,10 @@ def test_progress_step_rows_tensorboard_and_profile(debug_run):
     rows = read_metrics(run)["features"]
     steps = [r for r in rows if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(10, 72, 10))
-    assert all(np.isfinite(r["train_loss"]) and r["grad_norm"] > 0 and r["lr"] == 0.01 and r["samples_per_s"] > 0 for r in steps)
+    assert all(
+        np.isfinite(r["train_loss"]) and r["grad_norm"] > 0 and r["lr"] == 0.01 and r["samples_per_s"] > 0
+        for r in steps
+    )
     assert [r["kind"] for r in rows[:4]] == ["step", "step", "step", "epoch"] and rows[3]["val_accuracy"] is not None
     assert steps[0]["val_accuracy"] is None
     # TensorBoard: the same scalars against the optimizer step

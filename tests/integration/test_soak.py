@@ -10,9 +10,10 @@ from __future__ import annotations
 import gc
 import time
 
+from paths import CONFIGS
+
 from cascade_ray.config import load_config
 from cascade_ray.pipeline.driver import run_pipeline
-from paths import CONFIGS
 
 SHORT = [f"stages[{i}].train.max_steps=3" for i in range(3)] + [f"stages[{i}].train.epochs=1" for i in range(3)]
 SPACE = """
@@ -28,7 +29,10 @@ space:
 def _alive_actors() -> list[str]:
     from ray.util.state import list_actors
 
-    return sorted(a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False))
+    return sorted(
+        a.class_name
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
+    )
 
 
 def _snapshot():
@@ -45,7 +49,9 @@ def _snapshot():
         "object_bytes": sum(o.object_size or 0 for o in objects if o.reference_type != "UNKNOWN_STATUS"),
         "objects": len(objects),
         "actors": actors,
-        "placement_groups": len(list_placement_groups(filters=[("state", "=", "CREATED")], limit=10_000, raise_on_missing_output=False)),
+        "placement_groups": len(
+            list_placement_groups(filters=[("state", "=", "CREATED")], limit=10_000, raise_on_missing_output=False)
+        ),
     }
 
 

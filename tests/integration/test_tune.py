@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from paths import CONFIGS, ROOT
 
 from cascade_ray.config import load_config
 from cascade_ray.config.yaml_io import read_yaml
@@ -14,7 +15,6 @@ from cascade_ray.errors import ConfigError
 from cascade_ray.pipeline.driver import run_pipeline
 from cascade_ray.tune.space import load_space
 from cascade_ray.tune.sweep import INPUTS_FILE
-from paths import CONFIGS, ROOT
 
 SPACE = """
 stage: encoder
@@ -54,7 +54,10 @@ def test_sweep_table_is_sorted_and_complete(sweep):
 
 def test_every_trial_read_the_same_upstream_object(sweep):
     _, summary, tmp = sweep
-    inputs = [json.loads(p.read_text()) for p in (Path(summary["storage"]) / "tune" / "encoder" / "trials").glob(f"*/{INPUTS_FILE}")]
+    inputs = [
+        json.loads(p.read_text())
+        for p in (Path(summary["storage"]) / "tune" / "encoder" / "trials").glob(f"*/{INPUTS_FILE}")
+    ]
     assert len(inputs) == 4
     assert len({i["upstream"] for i in inputs}) == 1 and inputs[0]["upstream"]
     assert len({i["data"] for i in inputs}) == 1
@@ -67,11 +70,15 @@ def test_best_override_reproduces_the_best_trial(sweep):
     cfg, summary, tmp = sweep
     best = read_yaml(summary["stages"][1]["sweep"]["best"])
     overrides = [f"{k}={v}" for k, v in best.items()]
-    again = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp}", "stages.encoder.scaling.num_workers=1", *overrides])
+    again = load_config(
+        CONFIGS / "debug.yaml", [f"storage_path={tmp}", "stages.encoder.scaling.num_workers=1", *overrides]
+    )
     rerun = run_pipeline(again, resume=True, stop_after="encoder", log=lambda _: None)
     assert rerun["stages"][0]["status"] == "reused"
     # same upstream, config and seed on CPU: measured identical; allow 2 validation samples of noise
-    assert rerun["stages"][1]["metrics"]["val_accuracy"] == pytest.approx(summary["stages"][1]["metrics"]["val_accuracy"], abs=2 / 288)
+    assert rerun["stages"][1]["metrics"]["val_accuracy"] == pytest.approx(
+        summary["stages"][1]["metrics"]["val_accuracy"], abs=2 / 288
+    )
 
 
 def test_a_space_with_bad_keys_fails_before_any_trial(tmp_path):

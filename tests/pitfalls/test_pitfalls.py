@@ -13,14 +13,14 @@ import math
 
 import pytest
 import torch
+from fakes import ListReporter
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.errors import ConfigError, FrozenDriftError, HealthError
 from cascade_ray.health import LoopHooks
 from cascade_ray.stage.loop import build_stage_model, run_stage
 from cascade_ray.stage.weights import to_numpy_state
-from fakes import ListReporter
-from paths import CONFIGS
 
 CPU = torch.device("cpu")
 DEBUG = CONFIGS / "debug.yaml"
@@ -34,7 +34,9 @@ def config_issue(overrides: list[str], path: str) -> str:
     return found[path]
 
 
-def health_error(digits, overrides: list[str], index: int = 0, upstream=None, hooks: LoopHooks | None = None) -> HealthError:
+def health_error(
+    digits, overrides: list[str], index: int = 0, upstream=None, hooks: LoopHooks | None = None
+) -> HealthError:
     cfg = load_config(DEBUG, overrides)
     with pytest.raises(HealthError) as info:
         run_stage(cfg, index, digits, upstream, ListReporter(), CPU, hooks=hooks)
@@ -60,13 +62,17 @@ def test_betas_for_sgd():
 
 
 def test_param_group_pattern_matching_nothing():
-    text = config_issue(["stages[0].solver.param_groups=[{match: '^backbone\\.', lr: 1e-4}]"], "stages[0].solver.param_groups[0].match")
+    text = config_issue(
+        ["stages[0].solver.param_groups=[{match: '^backbone\\.', lr: 1e-4}]"], "stages[0].solver.param_groups[0].match"
+    )
     assert "'^backbone\\\\.'" in text and "matches no trainable parameter" in text and "blocks.features." in text
     assert "fix: fix the regex" in text
 
 
 def test_fp16_without_a_gpu():
-    text = config_issue(["stages[0].solver.precision=fp16", "stages[0].scaling.use_gpu=false"], "stages[0].solver.precision")
+    text = config_issue(
+        ["stages[0].solver.precision=fp16", "stages[0].scaling.use_gpu=false"], "stages[0].solver.precision"
+    )
     assert "fp16 needs a CUDA GPU" in text and "fix: set stages[0].solver.precision: bf16" in text
 
 
@@ -79,7 +85,9 @@ def test_scheduler_length_10x_the_real_step_count(digits):
         run_stage(cfg, 0, digits, None, ListReporter(), CPU)
     (issue,) = info.value.issues
     assert issue.path == "stages[0].solver.lr_scheduler.T_max"
-    assert "T_max 720 optimizer steps, but the stage takes 72 optimizer steps" in issue.message and "10x" in issue.message
+    assert (
+        "T_max 720 optimizer steps, but the stage takes 72 optimizer steps" in issue.message and "10x" in issue.message
+    )
     assert "set T_max: 72" in issue.fix
 
 
@@ -95,20 +103,38 @@ def test_lr_1e_12_stalls(digits):
 
 def test_clip_max_norm_1e_8_saturates(digits):
     err = health_error(digits, ["stages[0].solver.grad_clip={enabled: true, max_norm: 1e-8}"])
-    assert err.rule == "clip_saturation" and "pre-clip gradient norm" in err.detail and "x grad_clip.max_norm 1e-08" in err.detail
+    assert (
+        err.rule == "clip_saturation"
+        and "pre-clip gradient norm" in err.detail
+        and "x grad_clip.max_norm 1e-08" in err.detail
+    )
     assert err.key == "stages[0].solver.grad_clip.max_norm" and "raise stages[0].solver.grad_clip.max_norm" in err.fix
 
 
 def test_module_cut_off_from_the_loss(digits):
-    err = health_error(digits, ["stages=[{name: features, model: {type: 'pitfall_models:cut_off', in_channels: 1, width: 8}, train: {epochs: 1, batch_size: 32}}]"])
+    err = health_error(
+        digits,
+        [
+            "stages=[{name: features, model: {type: 'pitfall_models:cut_off', in_channels: 1, width: 8}, train: {epochs: 1, batch_size: 32}}]"
+        ],
+    )
     assert err.rule == "grad_flow" and err.step == 1
-    assert "blocks.features.stem.weight" in err.detail and "blocks.features.stem.bias" in err.detail and "None gradients" in err.detail
+    assert (
+        "blocks.features.stem.weight" in err.detail
+        and "blocks.features.stem.bias" in err.detail
+        and "None gradients" in err.detail
+    )
     assert "blocks.features.body" not in err.detail
     assert err.key == "stages[0].model" and "make the module's forward use them (a .detach()" in err.fix
 
 
 def test_nan_injected_in_the_loss(digits):
-    err = health_error(digits, ["stages=[{name: features, model: {type: 'pitfall_models:nan_after', after: 5}, train: {epochs: 1, batch_size: 32}}]"])
+    err = health_error(
+        digits,
+        [
+            "stages=[{name: features, model: {type: 'pitfall_models:nan_after', after: 5}, train: {epochs: 1, batch_size: 32}}]"
+        ],
+    )
     assert err.rule == "nonfinite" and err.step == 10
     assert "the training loss became NaN/inf between optimizer steps 1 and 10" in err.detail
     assert err.key == "stages[0].solver.lr" and "lower stages[0].solver.lr" in err.fix and "grad_clip" in err.fix
@@ -122,7 +148,10 @@ def test_fp16_scale_collapse_simulated_on_cpu(digits):
         s.named_params[0][1].grad.fill_(math.inf)
         seen["state"] = s
 
-    hooks = LoopHooks(make_scaler=lambda c: torch.amp.GradScaler("cpu", init_scale=c.init_scale, growth_interval=c.growth_interval), after_backward=overflow)
+    hooks = LoopHooks(
+        make_scaler=lambda c: torch.amp.GradScaler("cpu", init_scale=c.init_scale, growth_interval=c.growth_interval),
+        after_backward=overflow,
+    )
     err = health_error(digits, ["stages[0].solver.precision=fp16", "stages[0].scaling.use_gpu=true"], hooks=hooks)
     assert err.rule == "scale_collapse" and err.step == 12
     assert "12 consecutive and 12 total optimizer steps skipped" in err.detail and "loss scale 16" in err.detail
@@ -132,10 +161,19 @@ def test_fp16_scale_collapse_simulated_on_cpu(digits):
 
 def test_scheduler_stepped_per_micro_batch_under_accumulation(digits):
     hooks = LoopHooks(after_backward=lambda s: s.scheduler.step())  # the classic bug, in user code
-    err = health_error(digits, ["stages[0].solver.accumulation_steps=4", "stages[0].solver.lr_scheduler={type: cosine}"], hooks=hooks)
+    err = health_error(
+        digits, ["stages[0].solver.accumulation_steps=4", "stages[0].solver.lr_scheduler={type: cosine}"], hooks=hooks
+    )
     assert err.rule == "lr_drift" and err.step == 1
-    assert "stepped 4 time(s) before optimizer step 1, but 0 optimizer step(s) were taken with accumulation_steps 4" in err.detail
-    assert err.key == "stages[0].solver.lr_scheduler" and "once per optimizer step" in err.fix and "never per micro-batch" in err.fix
+    assert (
+        "stepped 4 time(s) before optimizer step 1, but 0 optimizer step(s) were taken with accumulation_steps 4"
+        in err.detail
+    )
+    assert (
+        err.key == "stages[0].solver.lr_scheduler"
+        and "once per optimizer step" in err.fix
+        and "never per micro-batch" in err.fix
+    )
 
 
 def test_batchnorm_left_in_train_mode_in_a_frozen_stage(digits):
@@ -146,14 +184,20 @@ def test_batchnorm_left_in_train_mode_in_a_frozen_stage(digits):
     with pytest.raises(FrozenDriftError) as info:
         run_stage(cfg, 1, digits, upstream, ListReporter(), CPU, hooks=hooks)
     text = str(info.value)
-    assert "stage 'encoder', optimizer step 0" in text and "frozen module(s) are in train mode" in text and "blocks.features" in text
+    assert (
+        "stage 'encoder', optimizer step 0" in text
+        and "frozen module(s) are in train mode" in text
+        and "blocks.features" in text
+    )
     assert "BatchNorm running statistics" in text
     assert "key: stages[1].trainable_layers" in text and "keep frozen modules in eval mode" in text
 
 
 def test_a_frozen_module_that_writes_its_buffers_in_eval_mode(digits):
-    overrides = ["stages=[{name: counter, model: {type: 'user_models:drifting', in_features: 64, width: 16}, train: {epochs: 1}}, "
-                 "{name: classifier, model: {type: mlp, in_features: 16, hidden: [32]}, train: {epochs: 1, batch_size: 32}}]"]
+    overrides = [
+        "stages=[{name: counter, model: {type: 'user_models:drifting', in_features: 64, width: 16}, train: {epochs: 1}}, "
+        "{name: classifier, model: {type: mlp, in_features: 16, hidden: [32]}, train: {epochs: 1, batch_size: 32}}]"
+    ]
     cfg = load_config(DEBUG, overrides)
     model, _ = build_stage_model(cfg, 0, digits, None)
     with pytest.raises(FrozenDriftError) as info:

@@ -13,7 +13,11 @@ from cascade_ray.pipeline.artifacts import MANIFEST, WEIGHTS, frozen_changes, re
 
 def _state():
     rng = np.random.default_rng(0)
-    return {"blocks.a.w": rng.standard_normal((4, 3)).astype(np.float32), "blocks.a.bn.running_mean": np.zeros(3, np.float32), "n": np.array(7, np.int64)}
+    return {
+        "blocks.a.w": rng.standard_normal((4, 3)).astype(np.float32),
+        "blocks.a.bn.running_mean": np.zeros(3, np.float32),
+        "n": np.array(7, np.int64),
+    }
 
 
 def test_round_trip_is_bit_exact_and_manifest_complete(tmp_path):

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 import ray
+from paths import ROOT
 
 from cascade_ray.cli import main as cli_main
 from cascade_ray.config import load_config
 from cascade_ray.errors import ConfigError
-from paths import ROOT
 
 BAD = ROOT / "tests" / "bad_configs"
 FIXTURES = BAD / "fixtures"
@@ -131,7 +131,11 @@ def test_cli_subprocess_exits_2_and_leaves_ray_tmpdir_empty(stem, tmp_path):
         env.pop("RAY_ADDRESS", None)
         proc = subprocess.run(
             [sys.executable, "-m", "cascade_ray.cli", *run_args(src, path, runs)],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 2, proc.stderr
         for key, needle in expectations(src.read_text()):

@@ -10,9 +10,9 @@ import shlex
 
 import pytest
 import yaml
+from paths import ROOT
 
 from cascade_ray.config import load_config
-from paths import ROOT
 
 LAUNCHER = ROOT / "cluster" / "launcher-aws.yaml"
 RAYJOB = ROOT / "cluster" / "kuberay-rayjob.yaml"
@@ -44,7 +44,11 @@ def test_launcher_config_passes_rays_own_schema(launcher):
 def test_launcher_has_a_head_and_an_autoscaling_gpu_group(launcher):
     types = launcher["available_node_types"]
     assert launcher["head_node_type"] in types
-    gpu = [t for name, t in types.items() if name != launcher["head_node_type"] and t["node_config"]["InstanceType"].startswith(("g", "p"))]
+    gpu = [
+        t
+        for name, t in types.items()
+        if name != launcher["head_node_type"] and t["node_config"]["InstanceType"].startswith(("g", "p"))
+    ]
     assert len(gpu) == 1 and gpu[0]["min_workers"] < gpu[0]["max_workers"] <= launcher["max_workers"]
 
 
@@ -57,12 +61,17 @@ def test_launcher_installs_the_package_and_turns_token_auth_on(launcher):
     assert "RAY_AUTH_MODE=token ray start --head" in head_start and "--dashboard-host=127.0.0.1" in head_start
     assert "RAY_AUTH_MODE=token ray start --address" in " ".join(launcher["worker_start_ray_commands"])
     fetch = " ".join(launcher["head_setup_commands"])
-    assert "cluster/fetch_fashion_mnist.sh ~/fashion-mnist" in fetch and (ROOT / "cluster" / "fetch_fashion_mnist.sh").is_file()
+    assert (
+        "cluster/fetch_fashion_mnist.sh ~/fashion-mnist" in fetch
+        and (ROOT / "cluster" / "fetch_fashion_mnist.sh").is_file()
+    )
 
 
 def test_launcher_usage_comment_submits_a_valid_pipeline_command():
     header = "\n".join(line[2:] for line in LAUNCHER.read_text().splitlines() if line.startswith("# "))
-    command = re.search(r"ray job submit --working-dir \. -- (python pipelines/.*?)\n\s*ray down", header.replace("\\\n", " "), re.S)
+    command = re.search(
+        r"ray job submit --working-dir \. -- (python pipelines/.*?)\n\s*ray down", header.replace("\\\n", " "), re.S
+    )
     assert command, "the header shows the ray job submit line"
     argv = shlex.split(command.group(1))
     _check_pipeline_command(argv)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 
 import pytest
+from paths import CONFIGS
 
 from cascade_ray.cli import main as cli_main
 from cascade_ray.config import load_config, validate_config
 from cascade_ray.config.yaml_io import parse_yaml
 from cascade_ray.errors import ConfigError
-from paths import CONFIGS
 
 
 def issues_of(raw) -> dict[str, str]:
@@ -37,7 +37,12 @@ def test_four_problems_in_one_error(debug_raw):
     raw["stages"][1]["trian"] = {"epochs": 1}
     raw["stages"][1]["model"]["in_channels"] = 32  # features outputs 16 channels
     found = issues_of(raw)
-    assert set(found) == {"stages[0].solver.type", "stages[0].solver.betas", "stages[1].trian", "stages[1].model.in_channels"}
+    assert set(found) == {
+        "stages[0].solver.type",
+        "stages[0].solver.betas",
+        "stages[1].trian",
+        "stages[1].model.in_channels",
+    }
     assert "did you mean 'AdamW'?" in found["stages[0].solver.type"]
     assert "got str '0.9, 0.999'" in found["stages[0].solver.betas"]
     assert "betas: [0.9, 0.999]" in found["stages[0].solver.betas"]
@@ -51,8 +56,16 @@ def test_four_problems_in_one_error(debug_raw):
     ("mutate", "path", "text"),
     [
         (lambda r: r["stages"][0]["solver"].update(type="adam"), "stages[0].solver.type", "did you mean 'Adam'"),
-        (lambda r: r["stages"][0]["solver"].update(type="SGD", betas=[0.9, 0.99]), "stages[0].solver.betas", "SGD takes no 'betas'"),
-        (lambda r: r["stages"][0]["solver"].update(momentum=0.9), "stages[0].solver.momentum", "AdamW takes no 'momentum'"),
+        (
+            lambda r: r["stages"][0]["solver"].update(type="SGD", betas=[0.9, 0.99]),
+            "stages[0].solver.betas",
+            "SGD takes no 'betas'",
+        ),
+        (
+            lambda r: r["stages"][0]["solver"].update(momentum=0.9),
+            "stages[0].solver.momentum",
+            "AdamW takes no 'momentum'",
+        ),
         (lambda r: r["stages"][0]["solver"].update(lr="1e-3"), "stages[0].solver.lr", "unquoted"),
         (lambda r: r["stages"][0]["train"].update(epochs=True), "stages[0].train.epochs", "valid integer"),
         (lambda r: r["stages"][0]["model"].update(type="resnt"), "stages[0].model.type", "did you mean 'resnet'"),
@@ -60,9 +73,25 @@ def test_four_problems_in_one_error(debug_raw):
         (lambda r: r["stages"][2].update(name="encoder"), "stages[2].name", "duplicate stage name 'encoder'"),
         (lambda r: r["data"].update(source="mnist"), "data.source", "valid: digits, fashion_mnist, parquet"),
         (lambda r: r["data"].update(val_fraction=1.5), "data.val_fraction", "less than 1"),
-        (lambda r: r["stages"][1].update(trainable_layers={"featurs": 1}), "stages[1].trainable_layers.featurs", "did you mean 'features'"),
-        (lambda r: r["stages"][0].update(pretrained="/nonexistent/w.safetensors"), "stages[0].pretrained", "does not exist"),
-        (lambda r: r["stages"][0]["scaling"].update(num_workers=0) if "scaling" in r["stages"][0] else r["stages"][0].update(scaling={"num_workers": 0}), "stages[0].scaling.num_workers", "greater than or equal to 1"),
+        (
+            lambda r: r["stages"][1].update(trainable_layers={"featurs": 1}),
+            "stages[1].trainable_layers.featurs",
+            "did you mean 'features'",
+        ),
+        (
+            lambda r: r["stages"][0].update(pretrained="/nonexistent/w.safetensors"),
+            "stages[0].pretrained",
+            "does not exist",
+        ),
+        (
+            lambda r: (
+                r["stages"][0]["scaling"].update(num_workers=0)
+                if "scaling" in r["stages"][0]
+                else r["stages"][0].update(scaling={"num_workers": 0})
+            ),
+            "stages[0].scaling.num_workers",
+            "greater than or equal to 1",
+        ),
     ],
 )
 def test_single_problem_names_key_and_fix(debug_raw, mutate, path, text):

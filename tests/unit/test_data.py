@@ -204,9 +204,7 @@ def test_parquet_round_trip_is_bit_exact(pq_data, form):
         "dir": root / "parts",
         "glob": str(root / "parts" / "part-*.parquet"),
     }[form]
-    s = load_parquet(
-        path, test_path=root / "test.parquet", train_size=None, val_fraction=0.2, seed=7
-    )
+    s = load_parquet(path, test_path=root / "test.parquet", train_size=None, val_fraction=0.2, seed=7)
     assert s.image_shape == (3, 5, 7) and s.num_classes == 5 and s.x_train.dtype == np.uint8
     assert np.array_equal(s.x_test, xt) and np.array_equal(s.y_test, yt)
     # Same rows in the same order as the arrays written, so the seeded split matches too.
@@ -221,7 +219,7 @@ def test_parquet_flat_list_needs_image_shape_unless_square(tmp_path):
     y = np.arange(60) % 3
     flat = pa.array(list(x.reshape(60, -1)), type=pa.list_(pa.float32()))  # variable-size list
     pq.write_table(pa.table({"image": flat, "label": y}), tmp_path / "a.parquet")
-    kw = dict(test_path=tmp_path / "a.parquet", train_size=None, val_fraction=0.2, seed=0)
+    kw = {"test_path": tmp_path / "a.parquet", "train_size": None, "val_fraction": 0.2, "seed": 0}
     with pytest.raises(DataError, match="data.image_shape"):
         load_parquet(tmp_path / "a.parquet", **kw)
     s = load_parquet(tmp_path / "a.parquet", image_shape=(3, 4, 4), **kw)
@@ -229,8 +227,15 @@ def test_parquet_flat_list_needs_image_shape_unless_square(tmp_path):
     # 16 values per image: a perfect square is read as (1, 4, 4) without help.
     sq = pa.FixedSizeListArray.from_arrays(pa.array(x[:, 0].reshape(-1)), 16)
     pq.write_table(pa.table({"pix": sq, "cls": y}), tmp_path / "sq.parquet")
-    s = load_parquet(tmp_path / "sq.parquet", test_path=tmp_path / "sq.parquet", image_column="pix",
-                     label_column="cls", train_size=None, val_fraction=0.2, seed=0)
+    s = load_parquet(
+        tmp_path / "sq.parquet",
+        test_path=tmp_path / "sq.parquet",
+        image_column="pix",
+        label_column="cls",
+        train_size=None,
+        val_fraction=0.2,
+        seed=0,
+    )
     assert s.image_shape == (1, 4, 4) and np.array_equal(s.x_test[:, 0], x[:, 0])
 
 
@@ -239,18 +244,17 @@ def test_parquet_fixed_shape_tensor_column(tmp_path):
     storage = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 18)
     tensors = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.uint8(), (2, 3, 3)), storage)
     pq.write_table(pa.table({"image": tensors, "label": np.arange(30) % 3}), tmp_path / "t.parquet")
-    s = load_parquet(tmp_path / "t.parquet", test_path=tmp_path / "t.parquet", train_size=None,
-                     val_fraction=0.2, seed=0)
+    s = load_parquet(
+        tmp_path / "t.parquet", test_path=tmp_path / "t.parquet", train_size=None, val_fraction=0.2, seed=0
+    )
     assert s.image_shape == (2, 3, 3) and np.array_equal(s.x_test, x)
 
 
 def test_parquet_errors(pq_data, tmp_path):
     root = pq_data[0]
-    kw = dict(train_size=None, val_fraction=0.2, seed=0)
+    kw = {"train_size": None, "val_fraction": 0.2, "seed": 0}
     with pytest.raises(DataError, match=r"pixels.*\['image', 'label'\]"):
-        load_parquet(
-            root / "train.parquet", test_path=root / "test.parquet", image_column="pixels", **kw
-        )
+        load_parquet(root / "train.parquet", test_path=root / "test.parquet", image_column="pixels", **kw)
     with pytest.raises(DataError, match="data.test_path"):
         load_parquet(root / "train.parquet", test_path=None, **kw)
     with pytest.raises(DataError, match="data.path.*nothing-here"):
@@ -337,4 +341,3 @@ def test_fingerprint_changes_with_each_field():
     ]
     assert len({s.fingerprint(), *(c.fingerprint() for c in changed)}) == 5
     assert dataclasses.replace(s, source="elsewhere").fingerprint() == s.fingerprint()
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from paths import CONFIGS
 
 from cascade_ray.cli import main as cli_main
 from cascade_ray.config import load_config
@@ -13,7 +14,6 @@ from cascade_ray.health.diagnose import diagnose, format_report
 from cascade_ray.pipeline.artifacts import write_artifact
 from cascade_ray.stage.loop import build_stage_model
 from cascade_ray.stage.weights import to_numpy_state
-from paths import CONFIGS
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -32,7 +32,10 @@ def test_every_stage_of_every_shipped_config_diagnoses_healthy(path):
 def test_cli_json_report_of_a_downstream_stage(capsys):
     assert cli_main(["diagnose", str(CONFIGS / "debug.yaml"), "--stage", "encoder", "--steps", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert "freshly initialized, NOT trained" in report["upstream"] and "--upstream RUN_DIR/stages/features" in report["upstream"]
+    assert (
+        "freshly initialized, NOT trained" in report["upstream"]
+        and "--upstream RUN_DIR/stages/features" in report["upstream"]
+    )
     assert report["solver"]["type"] == "AdamW" and report["solver"]["lr"] == 0.01
     groups = report["optimizer"]["groups"]
     assert [g["name"] for g in groups] == ["default", "default (no decay)"] and groups[1]["weight_decay"] == 0.0
@@ -46,11 +49,21 @@ def test_cli_json_report_of_a_downstream_stage(capsys):
 
 
 def test_text_report_of_a_stalled_stage_exits_1(capsys):
-    code = cli_main(["diagnose", str(CONFIGS / "debug.yaml"), "stages[0].solver.lr=1e-12", "--stage", "features", "--steps", "12"])
+    code = cli_main(
+        ["diagnose", str(CONFIGS / "debug.yaml"), "stages[0].solver.lr=1e-12", "--stage", "features", "--steps", "12"]
+    )
     out = capsys.readouterr().out
     assert code == 1
-    for heading in ("solver (as loaded):", "  lr: 1e-12", "optimizer built: AdamW", "lr plan on 1 worker(s): constant, 72 optimizer steps",
-                    "gradients after the first backward, per module:", "parameter updates over 12 step(s)", "precision: fp32", "verdict: 1 alarm(s)"):
+    for heading in (
+        "solver (as loaded):",
+        "  lr: 1e-12",
+        "optimizer built: AdamW",
+        "lr plan on 1 worker(s): constant, 72 optimizer steps",
+        "gradients after the first backward, per module:",
+        "parameter updates over 12 step(s)",
+        "precision: fp32",
+        "verdict: 1 alarm(s)",
+    ):
         assert heading in out, heading
     assert "stall:" in out and "key: stages[0].solver.lr" in out
 
@@ -59,10 +72,17 @@ def test_upstream_artifact_is_loaded_and_checked(tmp_path, capsys):
     cfg = load_config(CONFIGS / "debug.yaml")
     data = load_data(cfg.data, cfg.seed)
     model, _ = build_stage_model(cfg, 0, data, None)
-    good = write_artifact(tmp_path / "stages" / "features", to_numpy_state(model.state_dict()), {"stage": "features"}).path
+    good = write_artifact(
+        tmp_path / "stages" / "features", to_numpy_state(model.state_dict()), {"stage": "features"}
+    ).path
     report = diagnose(cfg, 1, data, steps=2, upstream=to_numpy_state(model.state_dict()), upstream_source=str(good))
     assert report["upstream"] == f"features: loaded from {good}" and report["verdict"]["ok"]
     assert "features: loaded from" in format_report(report)
-    assert cli_main(["diagnose", str(CONFIGS / "debug.yaml"), "--stage", "encoder", "--steps", "2", "--upstream", str(good)]) == 0
+    assert (
+        cli_main(
+            ["diagnose", str(CONFIGS / "debug.yaml"), "--stage", "encoder", "--steps", "2", "--upstream", str(good)]
+        )
+        == 0
+    )
     assert cli_main(["diagnose", str(CONFIGS / "debug.yaml"), "--stage", "classifier", "--upstream", str(good)]) == 2
     assert "pass RUN_DIR/stages/encoder" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from cascade_ray.config.reference import render
 from paths import ROOT
+
+from cascade_ray.config.reference import render
 
 
 def test_config_reference_is_generated_from_the_schema():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fakes import ListReporter
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.config.checks import cache_refusals
 from cascade_ray.pipeline.features import _read_parquet, _write_parquet, cache_decision, cache_key, upstream_outputs
 from cascade_ray.stage.loop import run_stage
-from fakes import ListReporter
-from paths import CONFIGS
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,11 @@ def trained_features(digits):
         ([], 1, None),
         ([], 0, "the first stage has no upstream"),
         (["stages.encoder.train.augment.crop_padding=1"], 1, "stages[1].train.augment randomizes"),
-        (["stages.encoder.trainable_layers.features=1"], 1, "stages[1].trainable_layers opens upstream layers (features)"),
+        (
+            ["stages.encoder.trainable_layers.features=1"],
+            1,
+            "stages[1].trainable_layers opens upstream layers (features)",
+        ),
         (["stages.encoder.freeze.cache_features=off"], 1, "cache_features is off"),
     ],
 )
@@ -44,7 +48,10 @@ def test_auto_caches_only_deterministic_inputs_of_a_frozen_upstream(overrides, i
 def test_a_joint_stage_never_caches():
     cfg = load_config(CONFIGS / "debug_joint.yaml")
     index = next(i for i, s in enumerate(cfg.stages) if s.type == "joint")
-    assert any("joint stage trains its upstream" in reason for reason, _ in cache_refusals(cfg.stages[index], index, f"stages[{index}]"))
+    assert any(
+        "joint stage trains its upstream" in reason
+        for reason, _ in cache_refusals(cfg.stages[index], index, f"stages[{index}]")
+    )
 
 
 def test_training_on_cached_features_matches_training_through_the_upstream(digits, trained_features):
@@ -68,16 +75,31 @@ def test_cached_features_of_the_wrong_size_are_refused(digits, trained_features)
     cfg, upstream = trained_features
     features = upstream_outputs(cfg, 1, digits, upstream)
     with pytest.raises(RuntimeError, match="feature cache holds 3 train samples"):
-        run_stage(cfg, 1, digits, upstream, ListReporter(), CPU, features={"x_train": features["train"][:3], "x_val": features["val"]})
+        run_stage(
+            cfg,
+            1,
+            digits,
+            upstream,
+            ListReporter(),
+            CPU,
+            features={"x_train": features["train"][:3], "x_val": features["val"]},
+        )
 
 
 def test_parquet_copy_round_trips_and_a_stale_or_damaged_one_is_recomputed(tmp_path, trained_features):
     cfg, upstream = trained_features
     key = cache_key("fp", upstream, ["features"])
-    assert key != cache_key("fp", {**upstream, "blocks.features.stem.0.weight": upstream["blocks.features.stem.0.weight"] + 1}, ["features"])
-    assert key == cache_key("fp", {**upstream, "heads.features.fc.bias": upstream["heads.features.fc.bias"] + 1}, ["features"])  # heads compute no features
+    assert key != cache_key(
+        "fp", {**upstream, "blocks.features.stem.0.weight": upstream["blocks.features.stem.0.weight"] + 1}, ["features"]
+    )
+    assert key == cache_key(
+        "fp", {**upstream, "heads.features.fc.bias": upstream["heads.features.fc.bias"] + 1}, ["features"]
+    )  # heads compute no features
     rng = np.random.default_rng(0)
-    arrays = {"x_train": rng.standard_normal((5, 2, 3)).astype(np.float32), "x_val": rng.standard_normal((2, 2, 3)).astype(np.float32)}
+    arrays = {
+        "x_train": rng.standard_normal((5, 2, 3)).astype(np.float32),
+        "x_val": rng.standard_normal((2, 2, 3)).astype(np.float32),
+    }
     path = tmp_path / "cache" / "encoder" / "k.parquet"
     _write_parquet(path, key, arrays)
     lines: list[str] = []
@@ -88,4 +110,6 @@ def test_parquet_copy_round_trips_and_a_stale_or_damaged_one_is_recomputed(tmp_p
     assert _read_parquet(path, key, {"train": 6, "val": 2}, lines.append, "encoder") is None
     assert "holds {'train': 5, 'val': 2} samples" in lines[-1]
     path.write_bytes(b"not parquet")
-    assert _read_parquet(path, key, {"train": 5, "val": 2}, lines.append, "encoder") is None and "recomputing" in lines[-1]
+    assert (
+        _read_parquet(path, key, {"train": 5, "val": 2}, lines.append, "encoder") is None and "recomputing" in lines[-1]
+    )

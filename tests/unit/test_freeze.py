@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.errors import FrozenDriftError
@@ -11,7 +12,6 @@ from cascade_ray.models.registry import module_layers
 from cascade_ray.stage.freeze import check_frozen, frozen_digest
 from cascade_ray.stage.loop import build_stage_model
 from cascade_ray.stage.weights import to_numpy_state
-from paths import CONFIGS
 
 
 def _stage0_state(cfg, digits):
@@ -36,7 +36,9 @@ def test_frozen_upstream_is_bit_identical_after_training_steps(digits):
         out.sum().backward()
         opt.step()
     check_frozen(before, frozen_digest(model, plan), "encoder")  # does not raise
-    assert all(not p.requires_grad for n, p in model.named_parameters() if n.startswith(("blocks.features", "heads.features")))
+    assert all(
+        not p.requires_grad for n, p in model.named_parameters() if n.startswith(("blocks.features", "heads.features"))
+    )
     assert not model.blocks["features"].training
 
 

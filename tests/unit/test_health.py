@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from fakes import ListReporter
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.errors import HealthError
 from cascade_ray.health import LoopHooks
 from cascade_ray.stage.loop import run_stage
-from fakes import ListReporter
-from paths import CONFIGS
 
 CPU = torch.device("cpu")
 RULES = ("nonfinite", "grad_flow", "stall", "clip_saturation", "scale_collapse", "lr_drift", "frozen_drift")
@@ -34,7 +34,10 @@ def test_the_debug_cascade_trains_with_zero_alarms(digits, capsys):
 
 
 def test_warn_policy_prints_once_per_epoch_and_counts_every_firing(digits, capsys):
-    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].solver.lr=1e-12", "stages[0].health.stall={policy: warn, patience_steps: 10}"])
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        ["stages[0].solver.lr=1e-12", "stages[0].health.stall={policy: warn, patience_steps: 10}"],
+    )
     reporter = ListReporter()
     outcome = run_stage(cfg, 0, digits, None, reporter, CPU)
     out = capsys.readouterr().out
@@ -44,15 +47,23 @@ def test_warn_policy_prints_once_per_epoch_and_counts_every_firing(digits, capsy
 
 
 def test_off_skips_every_measurement(digits):
-    cfg = load_config(CONFIGS / "debug.yaml", [f"stages[0].health.{rule}.policy=off" for rule in RULES] + ["stages[0].solver.lr=1e-12"])
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [f"stages[0].health.{rule}.policy=off" for rule in RULES] + ["stages[0].solver.lr=1e-12"],
+    )
     reporter = ListReporter()
     outcome = run_stage(cfg, 0, digits, None, reporter, CPU)
     assert outcome.health_warnings == 0 and math.isnan(reporter.reports[-1]["grad_norm"])
 
 
 def test_a_schedule_that_decayed_to_nothing_names_the_scheduler(digits):
-    overrides = ["stages[0].solver.lr_scheduler={type: StepLR, step_size: 5, gamma: 1.0e-6}", "stages[0].health.stall.patience_steps=20"]
-    err = pytest.raises(HealthError, run_stage, load_config(CONFIGS / "debug.yaml", overrides), 0, digits, None, ListReporter(), CPU).value
+    overrides = [
+        "stages[0].solver.lr_scheduler={type: StepLR, step_size: 5, gamma: 1.0e-6}",
+        "stages[0].health.stall.patience_steps=20",
+    ]
+    err = pytest.raises(
+        HealthError, run_stage, load_config(CONFIGS / "debug.yaml", overrides), 0, digits, None, ListReporter(), CPU
+    ).value
     assert err.rule == "stall" and err.key == "stages[0].solver.lr_scheduler" and "decayed the lr" in err.fix
     # the same decay inside the exempt tail of the run is no alarm
     cfg = load_config(CONFIGS / "debug.yaml", [*overrides, "stages[0].health.stall.tail_fraction=0.95"])
@@ -75,7 +86,9 @@ def test_zero_initialized_layers_are_not_a_grad_flow_alarm(digits):
     cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=1"])
     hooks = LoopHooks(on_setup=zero_last_bn, before_optimizer_step=record)
     assert run_stage(cfg, 0, digits, None, ListReporter(), CPU, hooks=hooks).health_warnings == 0
-    assert zero_at_step_1 == ["blocks.features.blocks.1.shortcut.0.weight"]  # the conv before it: a suspect, then cleared
+    assert zero_at_step_1 == [
+        "blocks.features.blocks.1.shortcut.0.weight"
+    ]  # the conv before it: a suspect, then cleared
 
 
 def test_an_lr_set_by_hand_is_lr_drift(digits):
@@ -87,11 +100,21 @@ def test_an_lr_set_by_hand_is_lr_drift(digits):
     with pytest.raises(HealthError) as info:
         run_stage(cfg, 0, digits, None, ListReporter(), CPU, hooks=LoopHooks(after_optimizer_step=meddle))
     err = info.value
-    assert err.rule == "lr_drift" and err.step == 4 and "runs optimizer step 4 at lr 0.5, but the plan says 0.01" in err.detail
+    assert (
+        err.rule == "lr_drift"
+        and err.step == 4
+        and "runs optimizer step 4 at lr 0.5, but the plan says 0.01" in err.detail
+    )
 
 
 def test_clip_saturation_reuses_the_clipping_norm_and_names_the_typical_norm(digits):
-    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].solver.grad_clip={enabled: true, max_norm: 1e-4}", "stages[0].health.clip_saturation.patience_steps=20"])
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            "stages[0].solver.grad_clip={enabled: true, max_norm: 1e-4}",
+            "stages[0].health.clip_saturation.patience_steps=20",
+        ],
+    )
     with pytest.raises(HealthError) as info:
         run_stage(cfg, 0, digits, None, ListReporter(), CPU)
     assert info.value.step == 20 and "(~" in info.value.fix

@@ -6,12 +6,12 @@ import math
 
 import numpy as np
 import pytest
+from paths import CONFIGS
 
 from cascade_ray.cli import main as cli_main
 from cascade_ray.config import load_config
 from cascade_ray.data import load_digits
 from cascade_ray.health.lrfind import lr_find, suggest
-from paths import CONFIGS
 
 
 def test_suggestion_is_the_steepest_descent_before_the_minimum():

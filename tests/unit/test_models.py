@@ -175,8 +175,11 @@ def test_resolve_factory_builtin_and_import_path() -> None:
 @pytest.mark.parametrize(
     "type_name,match",
     [
-        ("resnt", r"unknown model type 'resnt'; did you mean 'resnet'\? \(builtins: mlp, resnet, transformer; "
-                  r"or 'package.module:Callable'\)"),
+        (
+            "resnt",
+            r"unknown model type 'resnt'; did you mean 'resnet'\? \(builtins: mlp, resnet, transformer; "
+            r"or 'package.module:Callable'\)",
+        ),
         ("models/my_net.py", "unknown model type 'models/my_net.py' .builtins"),
         ("no_such_pkg_xyz.mod:Net", "cannot import module 'no_such_pkg_xyz.mod': ModuleNotFoundError"),
         ("torch.nn:Linearr", r"'torch.nn' has no attribute 'Linearr'; did you mean 'Linear'\?"),

@@ -6,13 +6,13 @@ import json
 import logging
 
 import pytest
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.constants import LOG_LEVEL_ENV
 from cascade_ray.errors import ConfigError
 from cascade_ray.logs import keep_lines, log_level, set_log_level, train_logging_config
 from cascade_ray.profiling import check_profile_stages, request_profile, trace_path_for
-from paths import CONFIGS
 
 
 def _batch(lines, actor="RayTrainWorker", is_err=False):
@@ -26,13 +26,36 @@ TRACEBACK = ["Traceback (most recent call last):", '  File "model.py", line 3, i
 
 def test_info_hides_ray_chatter_and_keeps_errors_and_our_lines():
     assert keep_lines(_batch(["Requesting resources: {'CPU': 1} * 1"], actor="TrainController"), "info") == []
-    assert keep_lines(_batch(["Exception in thread PlacementGroupCleanerMonitor:", *TRACEBACK], actor="PlacementGroupCleaner"), "info") == []
-    worker = [RAY_INFO, "Reporting training result 1: TrainingReport(checkpoint=None)", RAY_ERROR, *TRACEBACK,
-              "WARNING health: stage 'encoder' ...", "[encoder] val_loss plateaued: lr now 0.001", "a user model's print"]
-    assert keep_lines(_batch(worker, is_err=True), "info") == [RAY_ERROR, *TRACEBACK, "WARNING health: stage 'encoder' ...",
-                                                               "[encoder] val_loss plateaued: lr now 0.001", "a user model's print"]
+    assert (
+        keep_lines(
+            _batch(["Exception in thread PlacementGroupCleanerMonitor:", *TRACEBACK], actor="PlacementGroupCleaner"),
+            "info",
+        )
+        == []
+    )
+    worker = [
+        RAY_INFO,
+        "Reporting training result 1: TrainingReport(checkpoint=None)",
+        RAY_ERROR,
+        *TRACEBACK,
+        "WARNING health: stage 'encoder' ...",
+        "[encoder] val_loss plateaued: lr now 0.001",
+        "a user model's print",
+    ]
+    assert keep_lines(_batch(worker, is_err=True), "info") == [
+        RAY_ERROR,
+        *TRACEBACK,
+        "WARNING health: stage 'encoder' ...",
+        "[encoder] val_loss plateaued: lr now 0.001",
+        "a user model's print",
+    ]
     # warning: rank 0's informational lines go too, warnings and errors stay
-    assert keep_lines(_batch(worker), "warning") == [RAY_ERROR, *TRACEBACK, "WARNING health: stage 'encoder' ...", "a user model's print"]
+    assert keep_lines(_batch(worker), "warning") == [
+        RAY_ERROR,
+        *TRACEBACK,
+        "WARNING health: stage 'encoder' ...",
+        "a user model's print",
+    ]
     # debug: everything, Ray's own actors included
     assert keep_lines(_batch(worker), "debug") == worker
     assert keep_lines(_batch(["Requesting resources"], actor="TrainController"), "debug") == ["Requesting resources"]
@@ -100,11 +123,16 @@ def test_cli_run_flags_reach_the_driver(monkeypatch, tmp_path):
     from cascade_ray.cli import main
 
     seen = {}
-    monkeypatch.setattr(driver, "run_pipeline", lambda cfg, **kw: seen.update(cfg=cfg, profiled=profiling._requested, level=log_level()))
+    monkeypatch.setattr(
+        driver, "run_pipeline", lambda cfg, **kw: seen.update(cfg=cfg, profiled=profiling._requested, level=log_level())
+    )
     monkeypatch.setattr(profiling, "_requested", None)
     monkeypatch.setenv(LOG_LEVEL_ENV, "info")  # restored after the test
     monkeypatch.setattr(logging.getLogger("ray"), "level", logging.getLogger("ray").level)
-    assert main(["run", str(CONFIGS / "debug.yaml"), "--log-level", "warning", "--profile", f"storage_path={tmp_path}"]) == 0
+    assert (
+        main(["run", str(CONFIGS / "debug.yaml"), "--log-level", "warning", "--profile", f"storage_path={tmp_path}"])
+        == 0
+    )
     assert seen == {"cfg": seen["cfg"], "profiled": {"features", "encoder", "classifier"}, "level": "warning"}
     assert seen["cfg"].storage_path == str(tmp_path)
     assert main(["run", str(CONFIGS / "debug.yaml"), "--profile", "encodr"]) == 2

@@ -9,41 +9,102 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from paths import CONFIGS
 
 from cascade_ray.config import load_config
 from cascade_ray.report.outputs import METRICS_DIR, metric_rows, read_metrics, write_run_outputs
 from cascade_ray.report.tensorboard import write_tensorboard
-from paths import CONFIGS
 
 
 def _history():
     """Two epochs as run_stage records them: epoch metrics carrying their step rows."""
     history = []
     for epoch in (1, 2):
-        steps = [{"kind": "step", "epoch": epoch, "step": s, "train_loss": 2.0 / s, "lr": 0.01, "grad_norm": 1.0 if s % 20 == 0 else math.nan,
-                  "update_ratio": 0.01 if s % 20 == 0 else math.nan, "samples_per_s": 900.0} for s in range((epoch - 1) * 40 + 10, epoch * 40 + 1, 10)]
-        history.append({"epoch": epoch, "step": epoch * 40, "optimizer_steps": 40, "train_loss": 1.0 / epoch, "lr": 0.01, "samples_per_s": 800.0,
-                        "val_loss": 1.2 / epoch, "val_accuracy": 0.5 + 0.2 * epoch, "grad_norm": 1.0, "update_ratio": 0.01, "steps": steps})
+        steps = [
+            {
+                "kind": "step",
+                "epoch": epoch,
+                "step": s,
+                "train_loss": 2.0 / s,
+                "lr": 0.01,
+                "grad_norm": 1.0 if s % 20 == 0 else math.nan,
+                "update_ratio": 0.01 if s % 20 == 0 else math.nan,
+                "samples_per_s": 900.0,
+            }
+            for s in range((epoch - 1) * 40 + 10, epoch * 40 + 1, 10)
+        ]
+        history.append(
+            {
+                "epoch": epoch,
+                "step": epoch * 40,
+                "optimizer_steps": 40,
+                "train_loss": 1.0 / epoch,
+                "lr": 0.01,
+                "samples_per_s": 800.0,
+                "val_loss": 1.2 / epoch,
+                "val_accuracy": 0.5 + 0.2 * epoch,
+                "grad_norm": 1.0,
+                "update_ratio": 0.01,
+                "steps": steps,
+            }
+        )
     return history
 
 
 def _write(tmp_path, log=print):
     cfg = load_config(CONFIGS / "debug.yaml")
-    records = [{"name": "features", "history": _history()}, {"name": "encoder", "history": [{k: v for k, v in h.items() if k != "steps"} for h in _history()]}]
+    records = [
+        {"name": "features", "history": _history()},
+        {"name": "encoder", "history": [{k: v for k, v in h.items() if k != "steps"} for h in _history()]},
+    ]
     labels = np.arange(20) % 10
     write_run_outputs(tmp_path, cfg, records, labels, labels, log=log)
-    (tmp_path / "summary.json").write_text(json.dumps({
-        "name": "debug", "test_accuracy": 1.0, "test_loss": 0.1, "storage": str(tmp_path),
-        "stages": [{"name": r["name"], "status": "trained", "metrics": r["history"][-1], "trainable_params": 1, "frozen_params": 0, "num_workers": 1, "wall_s": 1.0} for r in records],
-    }))
+    (tmp_path / "summary.json").write_text(
+        json.dumps(
+            {
+                "name": "debug",
+                "test_accuracy": 1.0,
+                "test_loss": 0.1,
+                "storage": str(tmp_path),
+                "stages": [
+                    {
+                        "name": r["name"],
+                        "status": "trained",
+                        "metrics": r["history"][-1],
+                        "trainable_params": 1,
+                        "frozen_params": 0,
+                        "num_workers": 1,
+                        "wall_s": 1.0,
+                    }
+                    for r in records
+                ],
+            }
+        )
+    )
 
 
 def test_metrics_parquet_has_step_rows_then_the_epoch_row_with_a_kind_column(tmp_path):
     _write(tmp_path)
     table = pq.read_table(tmp_path / METRICS_DIR / "features.parquet")
-    assert {"kind", "step", "epoch", "train_loss", "lr", "grad_norm", "update_ratio", "samples_per_s", "val_accuracy"} <= set(table.column_names)
+    assert {
+        "kind",
+        "step",
+        "epoch",
+        "train_loss",
+        "lr",
+        "grad_norm",
+        "update_ratio",
+        "samples_per_s",
+        "val_accuracy",
+    } <= set(table.column_names)
     rows = read_metrics(tmp_path)["features"]
-    assert [(r["kind"], r["step"]) for r in rows[:5]] == [("step", 10), ("step", 20), ("step", 30), ("step", 40), ("epoch", 40)]
+    assert [(r["kind"], r["step"]) for r in rows[:5]] == [
+        ("step", 10),
+        ("step", 20),
+        ("step", 30),
+        ("step", 40),
+        ("epoch", 40),
+    ]
     assert rows[0]["val_accuracy"] is None and rows[4]["val_accuracy"] == pytest.approx(0.7)
     assert "steps" not in table.column_names
     # a stage without step rows (e.g. a Tune-swept stage) keeps one row per epoch
@@ -60,7 +121,14 @@ def test_tensorboard_event_files_hold_step_and_epoch_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard" / "features"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"step/train_loss", "step/lr", "step/grad_norm", "step/samples_per_s", "epoch/val_accuracy", "epoch/train_loss"} <= tags
+    assert {
+        "step/train_loss",
+        "step/lr",
+        "step/grad_norm",
+        "step/samples_per_s",
+        "epoch/val_accuracy",
+        "epoch/train_loss",
+    } <= tags
     assert [e.step for e in events.Scalars("step/train_loss")] == list(range(10, 81, 10))
     assert [e.step for e in events.Scalars("step/grad_norm")] == [20, 40, 60, 80]  # NaN (unmeasured) steps left out
     assert [round(e.value, 4) for e in events.Scalars("epoch/val_accuracy")] == [0.7, 0.9]

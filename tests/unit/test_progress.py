@@ -38,11 +38,20 @@ class Clock:
 
 
 def _state(step: int, total: int = 100, epoch: int = 0, rank: int = 0):
-    return SimpleNamespace(rank=rank, step=step, total_steps=total, epoch=epoch, loss=torch.tensor(0.5), stage=SimpleNamespace(train=SimpleNamespace(log_interval=10)))
+    return SimpleNamespace(
+        rank=rank,
+        step=step,
+        total_steps=total,
+        epoch=epoch,
+        loss=torch.tensor(0.5),
+        stage=SimpleNamespace(train=SimpleNamespace(log_interval=10)),
+    )
 
 
 def _hook(board, clock):
-    return ProgressHook(board, stage="encoder", index=1, stages=3, epochs=2, samples_per_step=64, interval_s=0.5, clock=clock)
+    return ProgressHook(
+        board, stage="encoder", index=1, stages=3, epochs=2, samples_per_step=64, interval_s=0.5, clock=clock
+    )
 
 
 def test_pushes_are_rate_limited_by_time_and_include_the_first_and_last_step():
@@ -57,7 +66,13 @@ def test_pushes_are_rate_limited_by_time_and_include_the_first_and_last_step():
     last = board.updates[-1]
     assert last["samples_per_s"] == pytest.approx(50 * 64) and last["eta_s"] == 0 and last["loss"] == 0.5
     assert math.isnan(board.updates[0]["samples_per_s"])  # no rate before a second step
-    assert (last["stage"], last["index"], last["stages"], last["epochs"], last["total_steps"]) == ("encoder", 1, 3, 2, 100)
+    assert (last["stage"], last["index"], last["stages"], last["epochs"], last["total_steps"]) == (
+        "encoder",
+        1,
+        3,
+        2,
+        100,
+    )
 
 
 def test_a_dead_board_never_fails_the_stage_and_is_not_called_again():
@@ -77,8 +92,19 @@ def test_only_rank_zero_pushes():
 
 
 def _update(stage="features", index=0, step=1, total=72, epoch=1):
-    return {"stage": stage, "index": index, "stages": 3, "epoch": epoch, "epochs": 2, "step": step, "total_steps": total,
-            "loss": 1.25, "samples_per_s": 5000.0, "eta_s": 75.0, "log_interval": 10}
+    return {
+        "stage": stage,
+        "index": index,
+        "stages": 3,
+        "epoch": epoch,
+        "epochs": 2,
+        "step": step,
+        "total_steps": total,
+        "loss": 1.25,
+        "samples_per_s": 5000.0,
+        "eta_s": 75.0,
+        "log_interval": 10,
+    }
 
 
 class Script:
@@ -95,7 +121,10 @@ class Script:
 
 
 def test_format_progress_names_stage_epoch_step_loss_rate_and_eta():
-    assert format_progress(_update(step=12)) == "stage 1/3 features | epoch 1/2 | step 12/72 | loss 1.2500 | 5000 samples/s | ETA 1m15s"
+    assert (
+        format_progress(_update(step=12))
+        == "stage 1/3 features | epoch 1/2 | step 12/72 | loss 1.2500 | 5000 samples/s | ETA 1m15s"
+    )
     assert "? samples/s | ETA ?" in format_progress(_update() | {"samples_per_s": math.nan, "eta_s": math.nan})
 
 
@@ -116,7 +145,13 @@ def test_plain_lines_first_update_then_the_rarer_of_interval_and_log_interval_th
     display.wrap(out.write)("  encoder trained\n")
     lines = out.getvalue().splitlines()
     assert [line.split(" | ")[2] if " | " in line else line for line in lines] == [
-        "step 1/72", "step 14/72", "step 30/72", "step 1/36", "profile of stage 'encoder': ...", "  encoder trained"]
+        "step 1/72",
+        "step 14/72",
+        "step 30/72",
+        "step 1/36",
+        "profile of stage 'encoder': ...",
+        "  encoder trained",
+    ]
     assert lines[3].startswith("stage 2/3 encoder |")
 
 
@@ -159,7 +194,11 @@ def test_live_line_is_redrawn_in_place_and_driver_lines_do_not_tear_it():
 def test_chain_hooks_runs_every_callback_in_order_and_keeps_the_last_single_slot():
     calls = []
     first = LoopHooks(after_optimizer_step=lambda s: calls.append("a"), on_log=lambda s: calls.append("log1"))
-    second = LoopHooks(after_optimizer_step=lambda s: calls.append("b"), on_setup=lambda s: calls.append("setup"), on_log=lambda s: calls.append("log2"))
+    second = LoopHooks(
+        after_optimizer_step=lambda s: calls.append("b"),
+        on_setup=lambda s: calls.append("setup"),
+        on_log=lambda s: calls.append("log2"),
+    )
     hooks = chain_hooks(first, second, LoopHooks())
     hooks.on_setup(None)
     hooks.after_optimizer_step(None)

@@ -25,7 +25,10 @@ def _cfg(raw, **scaling):
 
 def test_debug_config_fits_a_two_cpu_laptop_and_auto_says_cpu(debug_raw):
     lines = check_resources(validate_config(debug_raw), LAPTOP)
-    assert lines == [f"stage {s!r}: use_gpu auto -> CPU (gloo) x {n} worker(s)" for s, n in (("features", 1), ("encoder", 2), ("classifier", 1))]
+    assert lines == [
+        f"stage {s!r}: use_gpu auto -> CPU (gloo) x {n} worker(s)"
+        for s, n in (("features", 1), ("encoder", 2), ("classifier", 1))
+    ]
 
 
 def test_more_workers_than_the_cluster_can_place_names_stage_and_numbers(debug_raw):
@@ -87,7 +90,12 @@ def test_autoscaler_is_told_apart_from_rays_read_only_stand_in():
     from cascade_ray.pipeline.fit import autoscaler_in_status
 
     def status(active, pending=None):
-        return json.dumps({"load_metrics_report": {}, "autoscaler_report": {"active_nodes": active, "idle_nodes": {}, "pending_launches": pending or {}}})
+        return json.dumps(
+            {
+                "load_metrics_report": {},
+                "autoscaler_report": {"active_nodes": active, "idle_nodes": {}, "pending_launches": pending or {}},
+            }
+        )
 
     node_id = "f" * 56
     assert not autoscaler_in_status(status({f"node_{node_id}": 1}))  # `ray start --head` without a config
@@ -168,7 +176,7 @@ def test_sync_batchnorm_converts_trainable_batchnorm_and_keeps_parameters(debug_
     from cascade_ray.stage.worker import convert_trainable_batchnorm
 
     model = _stage_model(debug_raw, 0)
-    params = {n: p for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     keys = list(model.state_dict())
     converted = convert_trainable_batchnorm(model)
     assert converted and all(n.startswith("blocks.features.") for n in converted)

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from paths import CONFIGS
 
 from cascade_ray.config import load_config, validate_config
 from cascade_ray.config.schema import EarlyStoppingConfig, GradClipConfig, SchedulerConfig, SolverConfig
@@ -23,7 +24,6 @@ from cascade_ray.solver import (
 )
 from cascade_ray.stage.batches import accumulation_windows, num_optimizer_steps
 from cascade_ray.stage.loop import build_stage_model
-from paths import CONFIGS
 
 
 def issues_of(raw) -> dict[str, str]:
@@ -47,9 +47,20 @@ def _torch_lrs(make, steps: int, lr: float = 0.1) -> list[float]:
     ("cfg", "make"),
     [
         (SchedulerConfig(type="StepLR", step_size=7, gamma=0.5), lambda o: torch.optim.lr_scheduler.StepLR(o, 7, 0.5)),
-        (SchedulerConfig(type="MultiStepLR", milestones=[5, 20, 33], gamma=0.3), lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [5, 20, 33], 0.3)),
-        (SchedulerConfig(type="CosineAnnealingLR", T_max=40, min_lr_ratio=0.1), lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 40, eta_min=0.01)),
-        (SchedulerConfig(type="OneCycleLR", pct_start=0.25), lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=40, pct_start=0.25, cycle_momentum=False)),
+        (
+            SchedulerConfig(type="MultiStepLR", milestones=[5, 20, 33], gamma=0.3),
+            lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [5, 20, 33], 0.3),
+        ),
+        (
+            SchedulerConfig(type="CosineAnnealingLR", T_max=40, min_lr_ratio=0.1),
+            lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 40, eta_min=0.01),
+        ),
+        (
+            SchedulerConfig(type="OneCycleLR", pct_start=0.25),
+            lambda o: torch.optim.lr_scheduler.OneCycleLR(
+                o, max_lr=0.1, total_steps=40, pct_start=0.25, cycle_momentum=False
+            ),
+        ),
     ],
     ids=["StepLR", "MultiStepLR", "CosineAnnealingLR", "OneCycleLR"],
 )
@@ -68,9 +79,14 @@ def test_warmup_rises_linearly_into_any_schedule_and_cosine_stays_at_its_floor()
 
 
 def test_lr_schedule_keeps_group_ratios_counts_steps_and_reduces_on_plateau():
-    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}, {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.01}]
+    groups = [
+        {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1},
+        {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.01},
+    ]
     opt = torch.optim.SGD(groups, lr=0.1)
-    sched = build_scheduler(opt, SchedulerConfig(type="ReduceLROnPlateau", patience=1, factor=0.5, min_lr_ratio=0.3), total=10)
+    sched = build_scheduler(
+        opt, SchedulerConfig(type="ReduceLROnPlateau", patience=1, factor=0.5, min_lr_ratio=0.3), total=10
+    )
     sched.step()
     assert sched.steps == 1 and sched.get_last_lr() == pytest.approx([0.1, 0.01])
     assert not sched.step_epoch({"val_loss": 1.0})
@@ -87,23 +103,34 @@ def test_lr_schedule_keeps_group_ratios_counts_steps_and_reduces_on_plateau():
 
 
 def test_param_groups_first_match_wins_no_decay_on_1d_and_frozen_never_included(digits):
-    cfg = load_config(CONFIGS / "debug.yaml", [
-        "stages[1].solver.weight_decay=0.1",
-        "stages[1].solver.param_groups=[{match: '^heads\\.', lr: 0.003}, {match: 'heads|layers', lr: 0.5, weight_decay: 0.2}]",
-    ])
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            "stages[1].solver.weight_decay=0.1",
+            "stages[1].solver.param_groups=[{match: '^heads\\.', lr: 0.003}, {match: 'heads|layers', lr: 0.5, weight_decay: 0.2}]",
+        ],
+    )
     model, _ = build_stage_model(cfg, 1, digits, None)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = build_optimizer(build_param_groups(named, cfg.stages[1].solver, "stages[1].solver", "encoder"), cfg.stages[1].solver)
+    opt = build_optimizer(
+        build_param_groups(named, cfg.stages[1].solver, "stages[1].solver", "encoder"), cfg.stages[1].solver
+    )
     by_name = {n: g for g in opt.param_groups for n in g["param_names"]}
     assert set(by_name) == {n for n, _ in named}
-    assert not any(n.startswith(("blocks.features", "heads.features")) for n in by_name), "frozen parameters are in the optimizer"
-    assert by_name["heads.encoder.fc.weight"]["lr"] == 0.003 and by_name["heads.encoder.fc.weight"]["weight_decay"] == 0.1
+    assert not any(n.startswith(("blocks.features", "heads.features")) for n in by_name), (
+        "frozen parameters are in the optimizer"
+    )
+    assert (
+        by_name["heads.encoder.fc.weight"]["lr"] == 0.003 and by_name["heads.encoder.fc.weight"]["weight_decay"] == 0.1
+    )
     assert by_name["heads.encoder.fc.bias"]["weight_decay"] == 0.0  # 1-D: no decay
     layer_w = next(n for n in by_name if ".layers." in n and n.endswith("linear1.weight"))
     assert by_name[layer_w]["lr"] == 0.5 and by_name[layer_w]["weight_decay"] == 0.2
     norm_w = next(n for n in by_name if n.endswith("norm.weight"))
     assert by_name[norm_w]["weight_decay"] == 0.0 and by_name[norm_w]["lr"] == cfg.stages[1].solver.lr
-    cfg2 = load_config(CONFIGS / "debug.yaml", ["stages[1].solver.decay_bias_and_norm=true", "stages[1].solver.weight_decay=0.1"])
+    cfg2 = load_config(
+        CONFIGS / "debug.yaml", ["stages[1].solver.decay_bias_and_norm=true", "stages[1].solver.weight_decay=0.1"]
+    )
     groups = build_param_groups(named, cfg2.stages[1].solver, "stages[1].solver", "encoder")
     assert [g["weight_decay"] for g in groups] == [0.1]
 
@@ -111,19 +138,67 @@ def test_param_groups_first_match_wins_no_decay_on_1d_and_frozen_never_included(
 @pytest.mark.parametrize(
     ("override", "path", "text"),
     [
-        ("stages[0].solver.param_groups=[{match: 'nothing_here'}]", "stages[0].solver.param_groups[0].match", "matches no trainable parameter"),
-        ("stages[0].solver.param_groups=[{match: heads}, {match: '^heads\\.features'}]", "stages[0].solver.param_groups[1].match", "taken by an earlier group"),
-        ("stages[0].solver.param_groups=[{match: '(unclosed'}]", "stages[0].solver.param_groups[0].match", "not a valid regex"),
-        ("stages[1].solver.param_groups=[{match: features}]", "stages[1].solver.param_groups[0].match", "matches no trainable parameter"),
-        ("stages[0].solver.param_groups=[{match: heads, momentum: 0.9}]", "stages[0].solver.param_groups[0].momentum", "AdamW takes no 'momentum'"),
-        ("stages[0].solver.lr_scheduler={type: StepLR}", "stages[0].solver.lr_scheduler.step_size", "StepLR needs step_size"),
-        ("stages[0].solver.lr_scheduler={type: cosine, step_size: 5}", "stages[0].solver.lr_scheduler.step_size", "cosine does not use 'step_size'"),
-        ("stages[0].solver.lr_scheduler={type: MultiStepLR, milestones: [5, 3]}", "stages[0].solver.lr_scheduler.milestones", "strictly increasing"),
-        ("stages[0].solver.lr_scheduler={type: Cosine}", "stages[0].solver.lr_scheduler.type", "valid: constant, StepLR"),
-        ("stages[0].solver.grad_clip={enabled: true, mode: value}", "stages[0].solver.grad_clip.clip_value", "mode value needs clip_value"),
+        (
+            "stages[0].solver.param_groups=[{match: 'nothing_here'}]",
+            "stages[0].solver.param_groups[0].match",
+            "matches no trainable parameter",
+        ),
+        (
+            "stages[0].solver.param_groups=[{match: heads}, {match: '^heads\\.features'}]",
+            "stages[0].solver.param_groups[1].match",
+            "taken by an earlier group",
+        ),
+        (
+            "stages[0].solver.param_groups=[{match: '(unclosed'}]",
+            "stages[0].solver.param_groups[0].match",
+            "not a valid regex",
+        ),
+        (
+            "stages[1].solver.param_groups=[{match: features}]",
+            "stages[1].solver.param_groups[0].match",
+            "matches no trainable parameter",
+        ),
+        (
+            "stages[0].solver.param_groups=[{match: heads, momentum: 0.9}]",
+            "stages[0].solver.param_groups[0].momentum",
+            "AdamW takes no 'momentum'",
+        ),
+        (
+            "stages[0].solver.lr_scheduler={type: StepLR}",
+            "stages[0].solver.lr_scheduler.step_size",
+            "StepLR needs step_size",
+        ),
+        (
+            "stages[0].solver.lr_scheduler={type: cosine, step_size: 5}",
+            "stages[0].solver.lr_scheduler.step_size",
+            "cosine does not use 'step_size'",
+        ),
+        (
+            "stages[0].solver.lr_scheduler={type: MultiStepLR, milestones: [5, 3]}",
+            "stages[0].solver.lr_scheduler.milestones",
+            "strictly increasing",
+        ),
+        (
+            "stages[0].solver.lr_scheduler={type: Cosine}",
+            "stages[0].solver.lr_scheduler.type",
+            "valid: constant, StepLR",
+        ),
+        (
+            "stages[0].solver.grad_clip={enabled: true, mode: value}",
+            "stages[0].solver.grad_clip.clip_value",
+            "mode value needs clip_value",
+        ),
         ("stages[0].solver.scaler={init_scale: 1024.0}", "stages[0].solver.scaler", "only used with precision fp16"),
-        ("stages[0].solver.precision=fp16|stages[0].scaling.use_gpu=false", "stages[0].solver.precision", "precision: bf16"),
-        ("stages[0].train.early_stopping={metric: val_accuracy, mode: min}", "stages[0].train.early_stopping.mode", "set mode: max"),
+        (
+            "stages[0].solver.precision=fp16|stages[0].scaling.use_gpu=false",
+            "stages[0].solver.precision",
+            "precision: bf16",
+        ),
+        (
+            "stages[0].train.early_stopping={metric: val_accuracy, mode: min}",
+            "stages[0].train.early_stopping.mode",
+            "set mode: max",
+        ),
         ("stages[0].health.stall.policy=Warn", "stages[0].health.stall.policy", "did you mean 'warn'"),
     ],
 )
@@ -137,7 +212,9 @@ def test_solver_problems_name_key_and_fix(override, path, text):
 
 def test_a_dumped_config_revalidates_clean(debug_raw):
     """Ray workers and Tune trials re-validate cfg.model_dump(): every default must pass the strict checks."""
-    debug_raw["stages"][0]["solver"].update(lr_scheduler={"type": "StepLR", "step_size": 5}, grad_clip={"enabled": True, "mode": "value", "clip_value": 0.5})
+    debug_raw["stages"][0]["solver"].update(
+        lr_scheduler={"type": "StepLR", "step_size": 5}, grad_clip={"enabled": True, "mode": "value", "clip_value": 0.5}
+    )
     cfg = validate_config(debug_raw)
     assert validate_config(cfg.model_dump()) == cfg
     assert validate_config(cfg.model_dump(mode="json")) == cfg
@@ -152,7 +229,11 @@ def test_step_count_preflight_reports_both_numbers(debug_raw):
     errors, warnings = step_count_issues(cfg, n_train)
     # stage 1 runs on 2 workers: 18 micro-batches each, 36 steps; 100 > 2x36 is an error too
     assert [e.path for e in errors] == ["stages[0].solver.lr_scheduler.T_max", "stages[1].solver.lr_scheduler.T_max"]
-    assert "T_max 720" in errors[0].message and "72 optimizer steps" in errors[0].message and "set T_max: 72" in errors[0].fix
+    assert (
+        "T_max 720" in errors[0].message
+        and "72 optimizer steps" in errors[0].message
+        and "set T_max: 72" in errors[0].fix
+    )
     assert "36 optimizer steps" in errors[1].message and "2 worker(s)" in errors[1].message
     paths = {w.path for w in warnings}
     assert "stages[2].solver.accumulation_steps" in paths
@@ -204,5 +285,11 @@ def test_early_stopping_counts_epochs_without_improvement():
 def test_health_error_pickles_with_its_fields():
     err = HealthError("stall", "features", 50, "ratio 1e-12", "stages[0].solver.lr", "raise it")
     back = pickle.loads(pickle.dumps(err))
-    assert (back.rule, back.stage, back.step, back.key, back.fix) == ("stall", "features", 50, "stages[0].solver.lr", "raise it")
+    assert (back.rule, back.stage, back.step, back.key, back.fix) == (
+        "stall",
+        "features",
+        50,
+        "stages[0].solver.lr",
+        "raise it",
+    )
     assert str(back) == str(err) and "key: stages[0].solver.lr" in str(err)

@@ -8,14 +8,14 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.distributed as dist
+from fakes import ListReporter
+from paths import CONFIGS
 from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.config import load_config
 from cascade_ray.health import LoopHooks
 from cascade_ray.stage.batches import num_train_batches
 from cascade_ray.stage.loop import run_stage
-from fakes import ListReporter
-from paths import CONFIGS
 
 CPU = torch.device("cpu")
 
@@ -41,18 +41,28 @@ class Counter:
 
 def test_accumulation_4_steps_optimizer_and_schedule_once_per_window(digits):
     # batch_size 40: 29 micro-batches per epoch, so the last window of each epoch holds 1
-    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].solver.accumulation_steps=4", "stages[0].train.batch_size=40",
-                                               "stages[0].solver.lr_scheduler={type: cosine, warmup_steps: 2}"])
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            "stages[0].solver.accumulation_steps=4",
+            "stages[0].train.batch_size=40",
+            "stages[0].solver.lr_scheduler={type: cosine, warmup_steps: 2}",
+        ],
+    )
     count, reporter = Counter(), ListReporter()
     outcome = run_stage(cfg, 0, digits, None, reporter, CPU, hooks=count.hooks())
     micro = num_train_batches(len(digits.y_train), 40, 1)
     assert micro % 4 == 1
     assert count.micro == {0: micro, 1: micro}
     assert count.steps == {0: math.ceil(micro / 4), 1: math.ceil(micro / 4)}
-    assert count.sched == list(range(1, 2 * math.ceil(micro / 4) + 1))  # the schedule moved exactly once per optimizer step
+    assert count.sched == list(
+        range(1, 2 * math.ceil(micro / 4) + 1)
+    )  # the schedule moved exactly once per optimizer step
     assert [r["optimizer_steps"] for r in reporter.reports] == [8, 8] and outcome.steps == 16
     # the reported lr is the one set for the next step: plan step 8 (warmup 2, then cosine over 14), then the end
-    assert [r["lr"] for r in reporter.reports] == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * 6 / 14)), 0.0], abs=1e-12)
+    assert [r["lr"] for r in reporter.reports] == pytest.approx(
+        [0.01 * 0.5 * (1 + math.cos(math.pi * 6 / 14)), 0.0], abs=1e-12
+    )
     assert outcome.health_warnings == 0
 
 
@@ -97,7 +107,13 @@ def test_bf16_trains_on_cpu(digits):
 
 
 def test_early_stopping_ends_the_stage(digits):
-    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=4", "stages[0].train.early_stopping={metric: val_accuracy, patience: 1, min_delta: 1.0}"])
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            "stages[0].train.epochs=4",
+            "stages[0].train.early_stopping={metric: val_accuracy, patience: 1, min_delta: 1.0}",
+        ],
+    )
     reporter = ListReporter()
     run_stage(cfg, 0, digits, None, reporter, CPU)
     assert len(reporter.reports) == 2  # epoch 1 sets the best, epoch 2 cannot improve by 1.0
@@ -114,12 +130,26 @@ def test_sanity_validation_fails_a_broken_eval_before_any_training(digits):
     count = Counter()
     cfg = load_config(CONFIGS / "debug.yaml")
     with pytest.raises(RuntimeError, match="broken eval"):
-        run_stage(cfg, 0, digits, None, ListReporter(), CPU, hooks=LoopHooks(on_setup=break_eval, after_optimizer_step=count.stepped))
+        run_stage(
+            cfg,
+            0,
+            digits,
+            None,
+            ListReporter(),
+            CPU,
+            hooks=LoopHooks(on_setup=break_eval, after_optimizer_step=count.stepped),
+        )
     assert count.steps == {}
 
 
 def test_reduce_on_plateau_lowers_the_lr_between_epochs(digits):
-    cfg = load_config(CONFIGS / "debug.yaml", ["stages[0].train.epochs=3", "stages[0].solver.lr_scheduler={type: ReduceLROnPlateau, monitor: val_accuracy, threshold: 10.0, patience: 0, factor: 0.5}"])
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            "stages[0].train.epochs=3",
+            "stages[0].solver.lr_scheduler={type: ReduceLROnPlateau, monitor: val_accuracy, threshold: 10.0, patience: 0, factor: 0.5}",
+        ],
+    )
     reporter = ListReporter()
     run_stage(cfg, 0, digits, None, reporter, CPU)
     # threshold 10: no epoch counts as an improvement after the first, so every later epoch halves lr

@@ -29,7 +29,9 @@ def test_no_dataset_manager_and_a_quick_stop_cleaner_with_rays_settings():
     assert type(cleaner).__name__ == "QuickStopCleanerCallback"
     assert vars(cleaner) == vars(ray_cleaner), "same check interval and timeouts as Ray's own cleaner"
     # every other callback is Ray's, in Ray's order
-    assert [type(cb) for cb in ours if cb is not cleaner] == [type(cb) for cb in ray_default if not isinstance(cb, (DatasetsCallback, PlacementGroupCleanerCallback))]
+    assert [type(cb) for cb in ours if cb is not cleaner] == [
+        type(cb) for cb in ray_default if not isinstance(cb, (DatasetsCallback, PlacementGroupCleanerCallback))
+    ]
 
 
 def test_datasets_keep_the_dataset_callback():

@@ -25,7 +25,12 @@ def _state():
     [
         ("s3://bucket/runs/x", "s3", "bucket/runs/x", "s3://bucket/runs/x"),
         ("gs://bucket/runs/", "gs", "bucket/runs", "gs://bucket/runs"),
-        ("s3://bucket/runs?endpoint_override=minio:9000&scheme=http", "s3", "bucket/runs", "s3://bucket/runs?endpoint_override=minio:9000&scheme=http"),
+        (
+            "s3://bucket/runs?endpoint_override=minio:9000&scheme=http",
+            "s3",
+            "bucket/runs",
+            "s3://bucket/runs?endpoint_override=minio:9000&scheme=http",
+        ),
         ("file:///tmp/a/../runs", "file", "/tmp/runs", "file:///tmp/runs"),
         ("file://localhost/srv/runs", "file", "/srv/runs", "file:///srv/runs"),
     ],
@@ -39,7 +44,10 @@ def test_uris_parse_without_touching_the_network(uri, scheme, path, text):
     assert ("?" in text) == (child.query != ""), "query options (endpoint, region) follow every child path"
 
 
-@pytest.mark.parametrize(("uri", "says"), [("ftp://host/x", "unsupported URI scheme"), ("file://relative/x", "three slashes"), ("s3://", "names no bucket")])
+@pytest.mark.parametrize(
+    ("uri", "says"),
+    [("ftp://host/x", "unsupported URI scheme"), ("file://relative/x", "three slashes"), ("s3://", "names no bucket")],
+)
 def test_bad_uris_are_config_errors_naming_storage_path(uri, says):
     with pytest.raises(ConfigError, match="storage_path") as info:
         storage_root(uri)
@@ -72,7 +80,9 @@ def test_uri_path_does_what_the_pipeline_asks_of_a_folder(tmp_path):
     for name in ("00-features-abc-a1", "00-features-abc-a2", "01-encoder-def-a1"):
         (root / "ray" / name).mkdir(parents=True, exist_ok=True)
     assert sorted(p.name for p in (root / "ray").glob("00-features-*")) == ["00-features-abc-a1", "00-features-abc-a2"]
-    assert list((parse_uri(f"file://{tmp_path}") / "nowhere").iterdir()) == [], "a missing folder lists as empty, like a fresh bucket prefix"
+    assert list((parse_uri(f"file://{tmp_path}") / "nowhere").iterdir()) == [], (
+        "a missing folder lists as empty, like a fresh bucket prefix"
+    )
     (root / "summary.json").unlink()
     (root / "summary.json").unlink(missing_ok=True)
     assert not (root / "summary.json").exists()
@@ -133,7 +143,9 @@ def test_staged_dir_lands_local_writers_files_on_any_storage(uri_root, tmp_path)
         pq.write_table(pa.table({"epoch": [1, 2]}), local / "metrics" / "features.parquet")
         (local / "config.yaml").write_text("name: debug\n")
     assert (uri_root / "debug" / "config.yaml").read_text() == "name: debug\n"
-    assert pq.read_table(pa.BufferReader((uri_root / "debug" / "metrics" / "features.parquet").read_bytes())).to_pylist() == [{"epoch": 1}, {"epoch": 2}]
+    assert pq.read_table(
+        pa.BufferReader((uri_root / "debug" / "metrics" / "features.parquet").read_bytes())
+    ).to_pylist() == [{"epoch": 1}, {"epoch": 2}]
     with staged_dir(tmp_path / "plain") as local:
         assert local == tmp_path / "plain" and local.is_dir()
 
@@ -180,7 +192,9 @@ def test_node_local_storage_on_a_multi_node_cluster_is_an_error_with_the_fix(mou
 def test_shared_remote_or_single_node_storage_passes(mounts):
     lines = []
     check_shared_storage(Path("/shared/runs"), hosts=3, may_add_nodes=True, log=lines.append, mounts_file=mounts)
-    check_shared_storage(parse_uri("s3://bucket/runs"), hosts=3, may_add_nodes=True, log=lines.append, mounts_file=mounts)
+    check_shared_storage(
+        parse_uri("s3://bucket/runs"), hosts=3, may_add_nodes=True, log=lines.append, mounts_file=mounts
+    )
     check_shared_storage(Path("/home/u/runs"), hosts=1, may_add_nodes=False, log=lines.append, mounts_file=mounts)
     assert lines == []
 

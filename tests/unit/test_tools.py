@@ -39,5 +39,8 @@ def test_overrides_may_follow_options(capsys):
 
     space = ROOT / "tune_spaces" / "encoder.yaml"
     # a bad override after --space is still an override: validated, exit 2, no Ray
-    assert cli_main(["tune", str(CONFIGS / "three_stage.yaml"), "--space", str(space), "stages.encoder.train.epochs=nope"]) == 2
+    assert (
+        cli_main(["tune", str(CONFIGS / "three_stage.yaml"), "--space", str(space), "stages.encoder.train.epochs=nope"])
+        == 2
+    )
     assert "stages[1].train.epochs" in capsys.readouterr().err

@@ -31,7 +31,10 @@ def _epoch_one(scheduler, trials, scores):
 
 def test_asha_stops_a_slow_sampled_trial_but_not_the_baseline():
     sampled = [FakeTrial(f"t{i}", {"solver.lr": 0.01 * (i + 1), "loss.scale": 1.5}) for i in range(3)]
-    slow_sampled, baseline = FakeTrial("slow", {"solver.lr": 5e-4, "loss.scale": 0.7}), FakeTrial("base", dict(BASELINE))
+    slow_sampled, baseline = (
+        FakeTrial("slow", {"solver.lr": 5e-4, "loss.scale": 0.7}),
+        FakeTrial("base", dict(BASELINE)),
+    )
     scheduler = _scheduler()
     actions = _epoch_one(scheduler, [*sampled, slow_sampled, baseline], [0.9, 0.91, 0.92, 0.5, 0.5])
     assert actions[3] == TrialScheduler.STOP  # plain ASHA behaviour for a sampled trial behind the rung
@@ -70,7 +73,9 @@ def test_random_search_is_seeded_by_the_pipeline_seed():
 
     def samples(seed):
         generator, _ = search_algorithm(space, None, 3, "space.yaml", seed=seed)
-        generator.add_configurations(Experiment("seeded", lambda config: None, config={"solver.lr": loguniform(1e-4, 1e-2)}, num_samples=3))
+        generator.add_configurations(
+            Experiment("seeded", lambda config: None, config={"solver.lr": loguniform(1e-4, 1e-2)}, num_samples=3)
+        )
         return [generator.next_trial().config["solver.lr"] for _ in range(3)]
 
     assert samples(0) == samples(0) != samples(1)
