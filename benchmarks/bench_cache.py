@@ -49,7 +49,7 @@ SPACE = ROOT / "tune_spaces" / "classifier.yaml"
 
 
 def epoch_times(repeats: int) -> None:
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
     from cascade_ray.data.source import load_data
     from cascade_ray.pipeline.features import upstream_outputs
     from cascade_ray.stage.loop import build_stage_model, run_stage
@@ -106,7 +106,7 @@ def sweep_times(repeats: int, trials: int) -> None:
     import ray
     import yaml
 
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
     from cascade_ray.constants import apply_ray_env_defaults
     from cascade_ray.pipeline.driver import run_pipeline
 

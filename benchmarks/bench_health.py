@@ -50,7 +50,7 @@ class _MonitorClock:
 
     @contextlib.contextmanager
     def installed(self):
-        from cascade_ray.health.monitor import HealthMonitor
+        from cascade_ray.stage.monitor import HealthMonitor
 
         originals = {m: getattr(HealthMonitor, m) for m in self.METHODS}
 
@@ -75,8 +75,8 @@ class _MonitorClock:
 
 def _run(config: Path, index: int, overrides: list[str], data, upstream) -> tuple[float, float]:
     """(CPU seconds per optimizer step inside the training loop, CPU seconds of the whole run_stage)."""
-    from cascade_ray.config import load_config
-    from cascade_ray.health import LoopHooks
+    from cascade_ray.checks import load_config
+    from cascade_ray.stage.hooks import LoopHooks
     from cascade_ray.stage.loop import run_stage
 
     cfg = load_config(config, overrides)
@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
     from cascade_ray.data.source import load_data
+    from cascade_ray.models.weights import to_numpy_state
     from cascade_ray.stage.loop import build_stage_model
-    from cascade_ray.stage.weights import to_numpy_state
 
     base_cfg = load_config(args.config)
     data = load_data(base_cfg.data, base_cfg.seed)

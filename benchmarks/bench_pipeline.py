@@ -107,7 +107,7 @@ def run_candidate(config: Path, storage: Path, overrides: list[str] = ()) -> dic
     """run_pipeline, with each stage's fit timed (wrappers around the names it calls)."""
     import cascade_ray.pipeline.fit as fit_mod
     import cascade_ray.pipeline.stages as stages_mod
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
     from cascade_ray.pipeline.driver import run_pipeline
 
     fits: list[tuple[float, float]] = []
@@ -143,7 +143,7 @@ def run_baseline(config: Path, storage: Path) -> dict:
     from ray import cloudpickle
 
     import benchmarks.baselines.plain_chain as plain_chain
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
 
     cloudpickle.register_pickle_by_value(plain_chain)  # Ray workers need not find benchmarks/ on their path
     log_path = storage / "loop_times.jsonl"
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("RAY_ADDRESS", None)
     import ray
 
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
     from cascade_ray.constants import apply_ray_env_defaults
 
     cfg = load_config(args.config)

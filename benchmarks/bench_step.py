@@ -84,7 +84,7 @@ def _batch_sizes(n: int, batch_size: int) -> list[int]:
 
 def run_candidate(cfg, data) -> _Clock:
     """``run_stage`` as it runs by default; a hook only records the time after each step."""
-    from cascade_ray.health import LoopHooks
+    from cascade_ray.stage.hooks import LoopHooks
     from cascade_ray.stage.loop import run_stage
 
     clock = _Clock()
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
     from cascade_ray.data.source import load_data
 
     cfg = load_config(args.config, [f"stages[{INDEX}].train.max_steps={args.max_steps}"])

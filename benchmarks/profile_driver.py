@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import cascade_ray.pipeline.driver as driver
     import cascade_ray.pipeline.stages as stages
-    import cascade_ray.progress as progress
-    from cascade_ray.config import load_config
+    import cascade_ray.stage.progress as progress
+    from cascade_ray.checks import load_config
     from cascade_ray.constants import apply_ray_env_defaults
 
     seconds: dict[str, float] = {}

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check a config here, then run its pipeline as a Ray job on a cluster and follow the logs (exit 0 SUCCEEDED, 1 FAILED)",
     )
     _add_config_args(p)
-    from cascade_ray.jobs import add_submit_args
+    from cascade_ray.tools.jobs import add_submit_args
 
     add_submit_args(p)
     p = sub.add_parser(
@@ -145,25 +145,25 @@ _NO_CONFIG = ("report", "export", "ls", "cp", "doctor")
 def _run_tool(args: argparse.Namespace) -> int:
     """Subcommands that take no pipeline config."""
     if args.command == "report":
-        from cascade_ray.report.build import build_report
+        from cascade_ray.tools.report import build_report
 
         print(build_report(args.run_dir))
     elif args.command == "export":
         import json
 
-        from cascade_ray.export import export_run
+        from cascade_ray.tools.export import export_run
 
         print(json.dumps(export_run(args.run_dir, args.format, args.quantize), indent=2))
     elif args.command == "ls":
-        from cascade_ray.shipped import list_shipped
+        from cascade_ray.tools.shipped import list_shipped
 
         print(list_shipped())
     elif args.command == "cp":
-        from cascade_ray.shipped import copy_shipped
+        from cascade_ray.tools.shipped import copy_shipped
 
         print(copy_shipped(args.name, args.dest))
     else:
-        from cascade_ray.doctor import run_doctor
+        from cascade_ray.tools.doctor import run_doctor
 
         return run_doctor(address=args.address, storage=args.storage)
     return 0
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         isinstance(getattr(args, "profile", None), str) and "=" in args.profile
     ):  # `run CONFIG --profile key=value`: an override, not a stage
         args.overrides, args.profile = [*args.overrides, args.profile], "all"
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
 
     try:
         if args.command in _NO_CONFIG:
@@ -192,11 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{args.config}: OK ({len(cfg.stages)} stages: {', '.join(s.name for s in cfg.stages)})")
             return 0
         if args.command == "submit":
-            from cascade_ray.jobs import submit
+            from cascade_ray.tools.jobs import submit
 
             return submit(args, cfg.storage_path)
         if args.command == "diagnose":
-            from cascade_ray.health.tools import diagnose_command
+            from cascade_ray.tools.health import diagnose_command
 
             return diagnose_command(
                 cfg,
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 profile=args.profile,
             )
         if args.command == "lr-find":
-            from cascade_ray.health.tools import lr_find_command
+            from cascade_ray.tools.health import lr_find_command
 
             return lr_find_command(
                 cfg,
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_pipeline(cfg, address=args.address, resume=args.resume, spaces={stage: args.space}, stop_after=stage)
             return 0
         if args.profile is not None:
-            from cascade_ray.profiling import check_profile_stages, request_profile
+            from cascade_ray.stage.profiler import check_profile_stages, request_profile
 
             request_profile(check_profile_stages(cfg, args.profile))
         run_pipeline(cfg, address=args.address, resume=args.resume)

@@ -36,7 +36,7 @@ def apply_ray_env_defaults() -> dict[str, str]:
 # workers in the train loop config, so it reaches workers of an already-running cluster.
 FAULT_ONCE_ENV = "CASCADE_RAY_FAULT_ONCE"
 
-# Progress (cascade_ray/progress.py): rank 0 pushes at most every PROGRESS_PUSH_INTERVAL_S to the
+# Progress (cascade_ray/stage/progress.py): rank 0 pushes at most every PROGRESS_PUSH_INTERVAL_S to the
 # driver's board; without a terminal the driver prints a plain line at most every
 # PROGRESS_LINE_INTERVAL_S (and train.log_interval steps), overridable in the driver's env.
 PROGRESS_PUSH_INTERVAL_S = 0.5

@@ -28,7 +28,7 @@ from pathlib import Path
 # without installing the package on the cluster first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.errors import CascadeError
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "three_stage.yaml"

@@ -35,9 +35,9 @@ from torch.utils.data import DistributedSampler
 from cascade_ray.data import DataSplits
 from cascade_ray.data.source import load_data
 from cascade_ray.models.cascade import build_cascade
-from cascade_ray.preflight import require_plans
+from cascade_ray.models.plan import require_plans
+from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.stage.loop import build_stage_model, stage_seed
-from cascade_ray.stage.weights import load_numpy_state
 
 WEIGHTS = "model.safetensors"
 

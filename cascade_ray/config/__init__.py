@@ -1,6 +1,5 @@
-"""Typed, strict configuration: YAML -> :class:`PipelineConfig`, every problem reported at once."""
+"""Typed, strict configuration: the schema and YAML reading. Full validation: :mod:`cascade_ray.checks`."""
 
-from cascade_ray.config.loader import load_config, validate_config
 from cascade_ray.config.schema import (
     DataConfig,
     HeadConfig,
@@ -23,6 +22,4 @@ __all__ = [
     "SolverConfig",
     "StageConfig",
     "TrainConfig",
-    "load_config",
-    "validate_config",
 ]

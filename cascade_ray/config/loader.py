@@ -1,78 +1,37 @@
-"""Raw mapping -> :class:`PipelineConfig`, reporting every problem at once.
+"""Raw mapping -> :class:`PipelineConfig`: the schema pass, with every problem reported.
 
-Validation runs in three passes and collects all issues before raising once:
-
-1. the schema (unknown keys, wrong types, ranges), translated into key paths with a
-   did-you-mean;
-2. the offending keys are dropped (defaults take their place) so that the rest of
-   the file can still be checked: cross-field rules (:mod:`.checks`);
-3. the meta-device shape preflight of the whole chain (:mod:`cascade_ray.preflight`).
-
-So a file with a typo'd optimizer, a string ``betas``, an unknown key *and* a shape
-mismatch yields one error with four entries.
+Schema errors (unknown keys, wrong types, ranges) are translated into key paths with a
+did-you-mean; the offending keys are dropped (defaults take their place) and the rest is
+parsed again, so later passes still see the rest of the file. Full validation (cross-field
+rules and the shape preflight) composes this with checks that need models and solvers:
+:mod:`cascade_ray.checks`.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import re
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from cascade_ray.config.schema import STAGE_NAME_PATTERN, PipelineConfig
-from cascade_ray.config.yaml_io import apply_overrides, read_yaml
-from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.errors import ConfigIssue
+from cascade_ray.text import did_you_mean, format_path
 
 _MAX_REPAIRS = 8
 
 
-def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` for the closest choice (case-insensitive), or ``""``."""
-    options = list(choices)
-    lowered = {c.lower(): c for c in options}
-    if word.lower() in lowered and lowered[word.lower()] != word:
-        return f"; did you mean {lowered[word.lower()]!r}?"
-    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
-    return f"; did you mean {lowered[close[0]]!r}?" if close else ""
+def parse_config(raw: dict[str, Any], issues: list[ConfigIssue]) -> tuple[PipelineConfig | None, set[str]]:
+    """The schema pass: parse ``raw``, dropping each offending key and parsing again.
 
-
-def format_path(loc: typing.Sequence[str | int]) -> str:
-    """``('stages', 1, 'solver')`` -> ``stages[1].solver``."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def load_config(path: str | Path, overrides: typing.Sequence[str] = (), *, preflight: bool = True) -> PipelineConfig:
-    """Read a YAML config, apply ``key=value`` overrides and validate everything.
-
-    Raises:
-        ConfigError: listing every problem found, each with its key path.
+    Every schema problem is appended to ``issues`` (translated into key paths with a
+    did-you-mean). Returns the parsed config (``None`` when a required key is missing or a
+    value cannot be dropped) and the key paths that were dropped, whose consequences later
+    passes should not report again.
     """
-    raw = read_yaml(path)
-    issues = apply_overrides(raw, list(overrides))
-    return validate_config(raw, source=str(path), preflight=preflight, issues=issues)
-
-
-def validate_config(
-    raw: dict[str, Any],
-    *,
-    source: str = "",
-    preflight: bool = True,
-    issues: list[ConfigIssue] | None = None,
-) -> PipelineConfig:
-    """Validate a raw mapping (from YAML, overrides or a Tune-sampled dict).
-
-    Raises:
-        ConfigError: listing every problem found.
-    """
-    issues = list(issues or [])
     work = copy.deepcopy(raw)
     cfg: PipelineConfig | None = None
     dropped_paths: set[str] = set()  # keys removed after a schema error; their consequences are not news
@@ -89,26 +48,17 @@ def validate_config(
             dropped_paths |= {format_path(loc) for loc in dropped if loc}
             if not errors or not all(dropped) or len(dropped) < len(errors):
                 break  # a missing key or an undroppable value: nothing more can be learned
-    if cfg is not None:
-        from cascade_ray.config.checks import semantic_issues
+    return cfg, dropped_paths
 
-        semantic = [i for i in semantic_issues(cfg) if i.path not in dropped_paths]
-        issues += semantic
-        if preflight:
-            from cascade_ray.preflight import shape_issues
 
-            # A stage whose model is already reported cannot be built, and a stage whose model was
-            # dropped is skipped by the preflight, so every shape from there on is a consequence.
-            bad = [_stage_index(path, model_only=True) for path in {i.path for i in semantic} | dropped_paths]
-            first_bad = min((b for b in bad if b is not None), default=len(cfg.stages))
-            reported = {issue.path for issue in semantic}
-            issues += [
-                i for i in shape_issues(cfg) if (_stage_index(i.path) or 0) < first_bad and i.path not in reported
-            ]
-    if issues:
-        raise ConfigError(sorted(_dedupe(issues), key=_path_key), source)
-    assert cfg is not None  # a failed parse always records an issue
-    return cfg
+def sorted_issues(issues: list[ConfigIssue]) -> list[ConfigIssue]:
+    """Issues without duplicates, in key-path order (``stages[2]`` before ``stages[10]``)."""
+    return sorted(_dedupe(issues), key=_path_key)
+
+
+def stage_index(path: str, *, model_only: bool = False) -> int | None:
+    """The stage index a key path points into (``stages[3].model`` -> 3), or ``None``."""
+    return _stage_index(path, model_only=model_only)
 
 
 def _dedupe(issues: list[ConfigIssue]) -> list[ConfigIssue]:

@@ -2,7 +2,7 @@
 
 Unknown keys and wrong types are errors (``extra="forbid"``, ``strict=True``); the
 loader (:mod:`cascade_ray.config.loader`) turns pydantic's errors into messages with
-the key path and a did-you-mean. Cross-field rules live in :mod:`cascade_ray.config.checks`.
+the key path and a did-you-mean. Cross-field rules live in :mod:`cascade_ray.checks.semantic`.
 """
 
 from __future__ import annotations

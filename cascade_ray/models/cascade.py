@@ -142,7 +142,7 @@ def build_cascade(cfg: PipelineConfig, plans: Sequence[StagePlan], num_classes: 
 
     Args:
         cfg: the validated pipeline config.
-        plans: shapes from :func:`cascade_ray.preflight.plan_chain`.
+        plans: shapes from :func:`cascade_ray.models.plan.plan_chain`.
         num_classes: classes of the data set (head output size).
         upto: index of the last stage to include.
     """

@@ -26,7 +26,7 @@ import numpy as np
 
 from cascade_ray import __version__
 from cascade_ray.errors import ArtifactError
-from cascade_ray.stage.weights import NumpyState, load_safetensors, save_safetensors, state_digests
+from cascade_ray.models.weights import NumpyState, load_safetensors, save_safetensors, state_digests
 from cascade_ray.storage import StorageDir, UriPath, local_copy, parse_uri
 
 WEIGHTS = "weights.safetensors"

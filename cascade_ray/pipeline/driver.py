@@ -20,18 +20,18 @@ import torch
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import DataSplits
+from cascade_ray.data.batches import ArraySource, eval_batches
 from cascade_ray.data.source import load_data
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.logs import install_worker_filter, log_level, ray_logging_level
 from cascade_ray.models.cascade import build_cascade
+from cascade_ray.models.plan import require_plans
+from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
+from cascade_ray.pipeline.outputs import write_run_outputs
 from cascade_ray.pipeline.stages import Handoff, StageSession
-from cascade_ray.preflight import require_plans
-from cascade_ray.progress import ProgressSession
-from cascade_ray.report.outputs import write_run_outputs
 from cascade_ray.solver import step_count_issues
-from cascade_ray.stage.batches import ArraySource, eval_batches
-from cascade_ray.stage.weights import NumpyState, load_numpy_state
+from cascade_ray.stage.progress import ProgressSession
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
 
 

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from cascade_ray.config.checks import cache_refusals
+from cascade_ray.checks.semantic import cache_refusals
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ResourceError
 from cascade_ray.storage import StorageDir, UriPath
@@ -93,7 +93,7 @@ def cache_decision(cfg: PipelineConfig, index: int) -> tuple[bool, str]:
 def cache_key(upstream_fingerprint: str, upstream_state: dict[str, np.ndarray], module_names: list[str]) -> str:
     """Hash of what the features are a function of: upstream configs/data/seed (its fingerprint)
     and the weights of the upstream modules and adapters."""
-    from cascade_ray.stage.weights import state_digests
+    from cascade_ray.models.weights import state_digests
 
     keys = [k for k in upstream_state if k.split(".")[0] in ("blocks", "adapters") and k.split(".")[1] in module_names]
     blob = json.dumps(
@@ -234,7 +234,7 @@ def _features_task(
     start: str | None,
     ranges: dict[str, tuple[int, int]],
 ) -> dict[str, np.ndarray]:
-    from cascade_ray.config.loader import validate_config
+    from cascade_ray.checks import validate_config
     from cascade_ray.data import DataSplits
 
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
@@ -281,10 +281,10 @@ def upstream_outputs(
     Returns:
         ``{split: float32 array}`` for each split of `ranges`.
     """
+    from cascade_ray.data.batches import ArraySource, eval_batches
     from cascade_ray.models.cascade import build_cascade
-    from cascade_ray.preflight import require_plans
-    from cascade_ray.stage.batches import ArraySource, eval_batches
-    from cascade_ray.stage.weights import load_numpy_state
+    from cascade_ray.models.plan import require_plans
+    from cascade_ray.models.weights import load_numpy_state
 
     device = device or torch.device("cpu")
     ranges = ranges or {s: (0, len(getattr(data, f"y_{s}"))) for s in SPLITS}

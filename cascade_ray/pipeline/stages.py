@@ -22,12 +22,12 @@ from cascade_ray import __version__
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.cascade import build_cascade
+from cascade_ray.models.freeze import apply_freeze, plan_trainable
+from cascade_ray.models.plan import require_plans
+from cascade_ray.models.weights import NumpyState, state_digests
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
-from cascade_ray.preflight import require_plans
-from cascade_ray.stage.freeze import apply_freeze, plan_trainable
-from cascade_ray.stage.weights import NumpyState, state_digests
 from cascade_ray.stage.worker import CHECKPOINT_STATE, read_checkpoint
 
 

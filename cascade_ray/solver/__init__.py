@@ -1,6 +1,6 @@
 """Per-stage solvers: optimizer and parameter groups, lr plan, precision, clipping, checks."""
 
-from cascade_ray.solver.groups import build_param_groups, param_group_issues
+from cascade_ray.solver.groups import build_param_groups
 from cascade_ray.solver.optim import build_optimizer, optimizer_names, solver_issues
 from cascade_ray.solver.preflight import stage_solver_issues, stage_step_issues, step_count_issues
 from cascade_ray.solver.schedule import LrSchedule, build_scheduler, lr_factor, total_optimizer_steps
@@ -19,7 +19,6 @@ __all__ = [
     "grad_norm",
     "lr_factor",
     "optimizer_names",
-    "param_group_issues",
     "solver_issues",
     "stage_solver_issues",
     "stage_step_issues",

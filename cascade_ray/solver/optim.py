@@ -80,7 +80,7 @@ def _arg_issues(solver_type: str, args: dict[str, Any], path: str, names: list[s
 
 def solver_issues(solver: SolverConfig, path: str) -> list[ConfigIssue]:
     """Problems with a stage's solver section (unknown optimizer, arguments it does not take, ...)."""
-    from cascade_ray.config.loader import did_you_mean
+    from cascade_ray.text import did_you_mean
 
     issues = scheduler_issues(solver.lr_scheduler, f"{path}.lr_scheduler") + clip_issues(
         solver.grad_clip, f"{path}.grad_clip"

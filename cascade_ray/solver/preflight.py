@@ -11,11 +11,11 @@ right after loading the data (before Ray starts) and ``run_stage`` calls
 from __future__ import annotations
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
+from cascade_ray.data.batches import num_optimizer_steps, num_train_batches
 from cascade_ray.errors import ConfigIssue
 from cascade_ray.solver.optim import solver_issues
 from cascade_ray.solver.schedule import total_optimizer_steps
 from cascade_ray.solver.step import precision_issues
-from cascade_ray.stage.batches import num_optimizer_steps, num_train_batches
 
 # An explicit length off from the real step count by more than this factor is an error.
 LENGTH_ERROR_FACTOR = 2.0

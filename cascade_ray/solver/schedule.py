@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from cascade_ray.config.schema import SchedulerConfig, StageConfig
+from cascade_ray.data.batches import num_optimizer_steps
 from cascade_ray.errors import ConfigIssue
-from cascade_ray.stage.batches import num_optimizer_steps
 
 # The keys each schedule type reads (besides `type` and `warmup_steps`).
 SCHEDULER_KEYS: dict[str, tuple[str, ...]] = {

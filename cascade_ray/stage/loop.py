@@ -23,10 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data import DataSplits
+from cascade_ray.data.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
 from cascade_ray.errors import ConfigError
-from cascade_ray.health import HealthMonitor, LoopHooks, LoopState
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
-from cascade_ray.preflight import require_plans
+from cascade_ray.models.freeze import TrainablePlan, apply_freeze, frozen_digest, plan_trainable
+from cascade_ray.models.plan import require_plans
+from cascade_ray.models.weights import load_numpy_state, load_state_file
 from cascade_ray.solver import (
     EarlyStopping,
     build_optimizer,
@@ -37,10 +39,9 @@ from cascade_ray.solver import (
     stage_step_issues,
     total_optimizer_steps,
 )
-from cascade_ray.stage.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
-from cascade_ray.stage.freeze import TrainablePlan, apply_freeze, frozen_digest, plan_trainable
+from cascade_ray.stage.hooks import LoopHooks, LoopState
+from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.resume import restore_trainer_state, trainer_state
-from cascade_ray.stage.weights import load_numpy_state, load_state_file
 
 
 class Reporter(Protocol):
@@ -128,7 +129,7 @@ def run_stage(
         reporter: receives per-epoch metrics and checkpoints.
         device: where to train.
         wrap: optional callable that wraps the model for distributed training (DDP).
-        hooks: optional callbacks for tools and failure simulations (:mod:`cascade_ray.health.hooks`).
+        hooks: optional callbacks for tools and failure simulations (:mod:`cascade_ray.stage.hooks`).
         resume: ``{"model": numpy state, "trainer": trainer_state}`` of the last checkpoint when
             a restarted worker group continues the stage (:mod:`cascade_ray.stage.resume`).
         features: ``{"x_train", "x_val"}``: the frozen upstream's outputs for every sample

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.health.hooks import LoopHooks, LoopState, chain_hooks
+from cascade_ray.stage.hooks import LoopHooks, LoopState, chain_hooks
 
 
 def _quiet(state: LoopState) -> None:
@@ -24,8 +24,8 @@ def _quiet(state: LoopState) -> None:
 def observer_config(cfg: PipelineConfig, index: int, run_dir: Any) -> dict[str, Any]:
     """The observing keys of stage `index`'s train loop config (driver side)."""
     from cascade_ray.logs import log_level
-    from cascade_ray.profiling import trace_path_for
-    from cascade_ray.progress import active_board
+    from cascade_ray.stage.profiler import trace_path_for
+    from cascade_ray.stage.progress import active_board
 
     board = active_board()
     return {
@@ -39,7 +39,7 @@ def observer_hooks(
     loop_config: Mapping[str, Any], cfg: PipelineConfig, index: int, rank: int, world: int, device: torch.device
 ) -> tuple[LoopHooks, Callable[[], None]]:
     """Hooks for this worker, and what to call when the stage ends (success or not)."""
-    from cascade_ray.progress import ProgressHook, send_note
+    from cascade_ray.stage.progress import ProgressHook, send_note
 
     stage = cfg.stages[index]
     board = (loop_config.get("progress") or [None])[0]
@@ -59,7 +59,7 @@ def observer_hooks(
         hooks.append(LoopHooks(on_log=_quiet))
     profiler = None
     if rank == 0 and loop_config.get("profile"):
-        from cascade_ray.profiling import StepProfiler
+        from cascade_ray.stage.profiler import StepProfiler
 
         profiler = StepProfiler(loop_config["profile"], device, stage.name, where=_where())
         hooks.append(profiler.hooks())

@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cascade_ray.config.loader import validate_config
+from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.errors import ResourceError
-from cascade_ray.health import LoopHooks, chain_hooks
+from cascade_ray.models.weights import load_safetensors, save_safetensors
+from cascade_ray.stage.hooks import LoopHooks, chain_hooks
 from cascade_ray.stage.loop import run_stage
 from cascade_ray.stage.observe import observer_hooks
 from cascade_ray.stage.resume import TRAINER_STATE
-from cascade_ray.stage.weights import load_safetensors, save_safetensors
 
 CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_STATE = "train_state.json"

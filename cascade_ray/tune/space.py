@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cascade_ray.config.loader import format_path, validate_config
+from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.config.yaml_io import read_yaml, split_key
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.text import format_path
 
 
 class _Strict(BaseModel):
@@ -104,7 +105,7 @@ def metrics_reported(cfg: PipelineConfig, stage: str) -> list[str]:
 
 def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
     """Problems with a space relative to the pipeline config."""
-    from cascade_ray.config.loader import did_you_mean
+    from cascade_ray.text import did_you_mean
 
     names = [s.name for s in cfg.stages]
     if space.stage not in names:

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray import tune
 
-from cascade_ray.config.loader import validate_config
+from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.pipeline.fit import fit_stage, worker_resources

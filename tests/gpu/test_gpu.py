@@ -47,7 +47,7 @@ def test_ray_train_picks_nccl_on_gpu_and_gloo_on_cpu(tmp_path, use_gpu, backend,
 
 
 def test_fp16_has_a_cuda_grad_scaler_and_bf16_autocasts_without_one():
-    from cascade_ray.config import validate_config
+    from cascade_ray.checks import validate_config
     from cascade_ray.config.yaml_io import read_yaml
     from cascade_ray.solver import build_precision
 
@@ -73,7 +73,7 @@ def test_fp16_has_a_cuda_grad_scaler_and_bf16_autocasts_without_one():
 
 
 def _run(tmp_path, overrides):
-    from cascade_ray.config import load_config
+    from cascade_ray.checks import load_config
     from cascade_ray.pipeline.driver import run_pipeline
 
     lines: list[str] = []

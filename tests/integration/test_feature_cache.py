@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.driver import run_pipeline

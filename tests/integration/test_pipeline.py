@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.errors import FrozenDriftError, ResourceError
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.driver import run_pipeline
@@ -21,7 +21,7 @@ from cascade_ray.pipeline.driver import run_pipeline
 def debug_run(ray_session, tmp_path_factory):
     """The debug pipeline, with `--profile encoder`; the driver's stdout (the progress display,
     no TTY) is kept in {storage}/driver_stdout.txt."""
-    from cascade_ray.profiling import request_profile
+    from cascade_ray.stage.profiler import request_profile
 
     storage = tmp_path_factory.mktemp("runs")
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}"])
@@ -123,7 +123,7 @@ def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
 
 def test_run_outputs_metrics_predictions_and_report_pngs(debug_run):
     from cascade_ray.cli import main as cli_main
-    from cascade_ray.report.outputs import read_metrics, read_predictions
+    from cascade_ray.pipeline.outputs import read_metrics, read_predictions
 
     run = Path(debug_run[1]["storage"])
     summary = json.loads((run / "summary.json").read_text())  # the latest run in this folder (resume test reruns)
@@ -141,7 +141,7 @@ def test_run_outputs_metrics_predictions_and_report_pngs(debug_run):
 
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
 def test_export_matches_the_eager_model(debug_run, fmt):
-    from cascade_ray.export import export_run
+    from cascade_ray.tools.export import export_run
 
     run = Path(debug_run[1]["storage"])
     summary = json.loads((run / "summary.json").read_text())  # the latest run in this folder
@@ -176,7 +176,7 @@ def test_progress_step_rows_tensorboard_and_profile(debug_run):
     """Issue 8: the driver's progress lines, per-step metric rows, TensorBoard events, --profile."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from cascade_ray.report.outputs import read_metrics
+    from cascade_ray.pipeline.outputs import read_metrics
 
     run = Path(debug_run[1]["storage"])
     shown = (run.parent / "driver_stdout.txt").read_text().splitlines()

@@ -12,7 +12,7 @@ import time
 
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.pipeline.driver import run_pipeline
 
 SHORT = [f"stages[{i}].train.max_steps=3" for i in range(3)] + [f"stages[{i}].train.epochs=1" for i in range(3)]

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from paths import CONFIGS, ROOT
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.config.yaml_io import read_yaml
 from cascade_ray.errors import ConfigError
 from cascade_ray.pipeline.driver import run_pipeline

@@ -4,7 +4,7 @@ Config pitfalls fail at load time (ConfigError, exit 2); step-count pitfalls whe
 training-set size is known (run_stage start, or the driver's preflight); runtime pitfalls
 at the first bad step (HealthError, FrozenDriftError), in-process on the digits data.
 Bugs that a config cannot express are simulated through run_stage's hooks
-(:mod:`cascade_ray.health.hooks`).
+(:mod:`cascade_ray.stage.hooks`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from fakes import ListReporter
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.errors import ConfigError, FrozenDriftError, HealthError
-from cascade_ray.health import LoopHooks
+from cascade_ray.models.weights import to_numpy_state
+from cascade_ray.stage.hooks import LoopHooks
 from cascade_ray.stage.loop import build_stage_model, run_stage
-from cascade_ray.stage.weights import to_numpy_state
 
 CPU = torch.device("cpu")
 DEBUG = CONFIGS / "debug.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from cascade_ray.stage.weights import to_numpy_state
+from cascade_ray.models.weights import to_numpy_state
 
 
 @dataclass

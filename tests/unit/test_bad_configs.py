@@ -28,8 +28,8 @@ import pytest
 import ray
 from paths import ROOT
 
+from cascade_ray.checks import load_config
 from cascade_ray.cli import main as cli_main
-from cascade_ray.config import load_config
 from cascade_ray.errors import ConfigError
 
 BAD = ROOT / "tests" / "bad_configs"

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from paths import ROOT
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 
 LAUNCHER = ROOT / "cluster" / "launcher-aws.yaml"
 RAYJOB = ROOT / "cluster" / "kuberay-rayjob.yaml"

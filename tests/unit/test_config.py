@@ -7,8 +7,8 @@ import copy
 import pytest
 from paths import CONFIGS
 
+from cascade_ray.checks import load_config, validate_config
 from cascade_ray.cli import main as cli_main
-from cascade_ray.config import load_config, validate_config
 from cascade_ray.config.yaml_io import parse_yaml
 from cascade_ray.errors import ConfigError
 

@@ -7,13 +7,13 @@ import json
 import pytest
 from paths import CONFIGS
 
+from cascade_ray.checks import load_config
 from cascade_ray.cli import main as cli_main
-from cascade_ray.config import load_config
 from cascade_ray.data.source import load_data
-from cascade_ray.health.diagnose import diagnose, format_report
+from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.pipeline.artifacts import write_artifact
 from cascade_ray.stage.loop import build_stage_model
-from cascade_ray.stage.weights import to_numpy_state
+from cascade_ray.tools.diagnose import diagnose, format_report
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

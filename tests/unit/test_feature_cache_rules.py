@@ -8,8 +8,8 @@ import torch
 from fakes import ListReporter
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
-from cascade_ray.config.checks import cache_refusals
+from cascade_ray.checks import load_config
+from cascade_ray.checks.semantic import cache_refusals
 from cascade_ray.pipeline.features import _read_parquet, _write_parquet, cache_decision, cache_key, upstream_outputs
 from cascade_ray.stage.loop import run_stage
 

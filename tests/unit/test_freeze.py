@@ -6,12 +6,12 @@ import pytest
 import torch
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.errors import FrozenDriftError
+from cascade_ray.models.freeze import check_frozen, frozen_digest
 from cascade_ray.models.registry import module_layers
-from cascade_ray.stage.freeze import check_frozen, frozen_digest
+from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.stage.loop import build_stage_model
-from cascade_ray.stage.weights import to_numpy_state
 
 
 def _stage0_state(cfg, digits):

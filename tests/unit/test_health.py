@@ -9,9 +9,9 @@ import torch
 from fakes import ListReporter
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.errors import HealthError
-from cascade_ray.health import LoopHooks
+from cascade_ray.stage.hooks import LoopHooks
 from cascade_ray.stage.loop import run_stage
 
 CPU = torch.device("cpu")

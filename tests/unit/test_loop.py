@@ -8,7 +8,7 @@ import torch
 from fakes import ListReporter
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.stage.loop import run_stage
 
 CPU = torch.device("cpu")
@@ -145,7 +145,7 @@ def test_a_checkpoint_at_the_wrong_step_is_refused(digits):
 def test_step_rows_every_log_interval_carry_loss_lr_grad_norm_and_rate(digits, capsys):
     """Rank 0 keeps a row every train.log_interval optimizer steps in its epoch's history entry;
     the progress line is printed unless a hook takes it (the driver's progress board)."""
-    from cascade_ray.health import LoopHooks
+    from cascade_ray.stage.hooks import LoopHooks
 
     cfg = load_config(
         CONFIGS / "debug.yaml",

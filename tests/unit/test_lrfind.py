@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from paths import CONFIGS
 
+from cascade_ray.checks import load_config
 from cascade_ray.cli import main as cli_main
-from cascade_ray.config import load_config
 from cascade_ray.data import load_digits
-from cascade_ray.health.lrfind import lr_find, suggest
+from cascade_ray.tools.lrfind import lr_find, suggest
 
 
 def test_suggestion_is_the_steepest_descent_before_the_minimum():

@@ -8,11 +8,11 @@ import logging
 import pytest
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.constants import LOG_LEVEL_ENV
 from cascade_ray.errors import ConfigError
 from cascade_ray.logs import keep_lines, log_level, set_log_level, train_logging_config
-from cascade_ray.profiling import check_profile_stages, request_profile, trace_path_for
+from cascade_ray.stage.profiler import check_profile_stages, request_profile, trace_path_for
 
 
 def _batch(lines, actor="RayTrainWorker", is_err=False):
@@ -94,7 +94,7 @@ def test_profile_stage_names_are_checked_with_a_suggestion(tmp_path):
 
 
 def test_diagnose_profile_writes_a_chrome_trace_and_top_operators(digits, tmp_path):
-    from cascade_ray.health.diagnose import diagnose, format_report
+    from cascade_ray.tools.diagnose import diagnose, format_report
 
     cfg = load_config(CONFIGS / "debug.yaml")
     trace = tmp_path / "encoder.trace.json"
@@ -110,7 +110,7 @@ def test_diagnose_profile_writes_a_chrome_trace_and_top_operators(digits, tmp_pa
 
 
 def test_diagnose_profile_of_a_run_too_short_to_record_says_so(digits, tmp_path):
-    from cascade_ray.health.diagnose import diagnose
+    from cascade_ray.tools.diagnose import diagnose
 
     report = diagnose(load_config(CONFIGS / "debug.yaml"), 0, digits, steps=3, profile=tmp_path / "t.json")
     assert report["profile"]["trace"] is None and "records steps 5..9" in report["profile"]["summary"]
@@ -119,7 +119,7 @@ def test_diagnose_profile_of_a_run_too_short_to_record_says_so(digits, tmp_path)
 def test_cli_run_flags_reach_the_driver(monkeypatch, tmp_path):
     """`run CONFIG --profile key=value`: the override stays an override, every stage is profiled."""
     import cascade_ray.pipeline.driver as driver
-    import cascade_ray.profiling as profiling
+    import cascade_ray.stage.profiler as profiling
     from cascade_ray.cli import main
 
     seen = {}

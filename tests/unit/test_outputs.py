@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from paths import CONFIGS
 
-from cascade_ray.config import load_config
-from cascade_ray.report.outputs import METRICS_DIR, metric_rows, read_metrics, write_run_outputs
-from cascade_ray.report.tensorboard import write_tensorboard
+from cascade_ray.checks import load_config
+from cascade_ray.pipeline.outputs import METRICS_DIR, metric_rows, read_metrics, write_run_outputs
+from cascade_ray.pipeline.tensorboard import write_tensorboard
 
 
 def _history():
@@ -148,7 +148,7 @@ def test_without_tensorboard_one_info_line_and_no_failure(tmp_path, monkeypatch)
 
 
 def test_report_draws_step_rows_and_epoch_only_runs(tmp_path):
-    from cascade_ray.report.build import build_report
+    from cascade_ray.tools.report import build_report
 
     _write(tmp_path)
     report = build_report(tmp_path)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cascade_ray.config import validate_config
+from cascade_ray.checks import validate_config
 from cascade_ray.errors import ConfigError
 from cascade_ray.models import build_module
-from cascade_ray.preflight import plan_chain
+from cascade_ray.models.plan import plan_chain
 
 
 def test_debug_chain_shapes(debug_raw):

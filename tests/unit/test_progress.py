@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cascade_ray.health.hooks import LoopHooks, chain_hooks
-from cascade_ray.progress import ProgressDisplay, ProgressHook, format_progress
+from cascade_ray.stage.hooks import LoopHooks, chain_hooks
+from cascade_ray.stage.progress import ProgressDisplay, ProgressHook, format_progress
 
 
 class FakeBoard:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from cascade_ray.config import validate_config
+from cascade_ray.checks import validate_config
 from cascade_ray.errors import ConfigError, ResourceError
 from cascade_ray.pipeline import fit
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view, resolve_use_gpu

@@ -9,8 +9,9 @@ import pytest
 import torch
 from paths import CONFIGS
 
-from cascade_ray.config import load_config, validate_config
+from cascade_ray.checks import load_config, validate_config
 from cascade_ray.config.schema import EarlyStoppingConfig, GradClipConfig, SchedulerConfig, SolverConfig
+from cascade_ray.data.batches import accumulation_windows, num_optimizer_steps
 from cascade_ray.errors import ConfigError, HealthError
 from cascade_ray.solver import (
     EarlyStopping,
@@ -22,7 +23,6 @@ from cascade_ray.solver import (
     lr_factor,
     step_count_issues,
 )
-from cascade_ray.stage.batches import accumulation_windows, num_optimizer_steps
 from cascade_ray.stage.loop import build_stage_model
 
 

@@ -12,9 +12,9 @@ from fakes import ListReporter
 from paths import CONFIGS
 from torch.nn.parallel import DistributedDataParallel
 
-from cascade_ray.config import load_config
-from cascade_ray.health import LoopHooks
-from cascade_ray.stage.batches import num_train_batches
+from cascade_ray.checks import load_config
+from cascade_ray.data.batches import num_train_batches
+from cascade_ray.stage.hooks import LoopHooks
 from cascade_ray.stage.loop import run_stage
 
 CPU = torch.device("cpu")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cascade_ray.cli import main as cli_main
-from cascade_ray.doctor import run_doctor
+from cascade_ray.tools.doctor import run_doctor
 
 
 def test_ls_lists_every_shipped_config_and_space(capsys):

@@ -47,7 +47,7 @@ class LrFindResult:
 
 
 def _endless_batches(n: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
-    from cascade_ray.stage.batches import train_batches
+    from cascade_ray.data.batches import train_batches
 
     epoch = 0
     while True:
@@ -69,9 +69,9 @@ def lr_find(
     diverge: float = 4.0,
 ) -> LrFindResult:
     """Run the range test on stage `index` (see the module docstring)."""
+    from cascade_ray.data.batches import ArraySource
     from cascade_ray.models.cascade import module_stage_names
     from cascade_ray.solver import build_optimizer, build_param_groups, build_precision, clip_gradients
-    from cascade_ray.stage.batches import ArraySource
     from cascade_ray.stage.loop import build_stage_model, stage_loss, stage_seed
 
     device = device or torch.device("cpu")

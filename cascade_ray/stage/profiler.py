@@ -21,7 +21,7 @@ import torch
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
-from cascade_ray.health.hooks import LoopHooks, LoopState
+from cascade_ray.stage.hooks import LoopHooks, LoopState
 
 PROFILE_WAIT_STEPS, PROFILE_WARMUP_STEPS, PROFILE_ACTIVE_STEPS = 2, 2, 5
 PROFILE_DIR = "profile"
@@ -32,7 +32,7 @@ _requested: set[str] | None = None  # stage names the driver's --profile asked f
 
 def check_profile_stages(cfg: PipelineConfig, value: str) -> set[str]:
     """``--profile`` value -> stage names: ``all`` or a comma-separated list of stage names."""
-    from cascade_ray.config.loader import did_you_mean
+    from cascade_ray.text import did_you_mean
 
     names = [s.name for s in cfg.stages]
     if value == "all":

@@ -36,7 +36,7 @@ def write_run_outputs(
     log: Callable[[str], None] = print,
 ) -> None:
     """Write the resolved config, per-stage metrics tables, the test predictions and TensorBoard events."""
-    from cascade_ray.report.tensorboard import write_tensorboard
+    from cascade_ray.pipeline.tensorboard import write_tensorboard
 
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from cascade_ray.config.loader import load_config
+from cascade_ray.checks import load_config
 from cascade_ray.data.source import load_data
 from cascade_ray.errors import CascadeError
 from cascade_ray.models.cascade import build_cascade
+from cascade_ray.models.plan import require_plans
+from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.pipeline.artifacts import read_artifact
-from cascade_ray.preflight import require_plans
-from cascade_ray.report.outputs import CONFIG_FILE
-from cascade_ray.stage.weights import load_numpy_state
+from cascade_ray.pipeline.outputs import CONFIG_FILE
 
 EXPORT_DIR = "export"
 PARITY_SAMPLES = 1000

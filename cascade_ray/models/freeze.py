@@ -16,7 +16,7 @@ from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.cascade import CascadeModel
 from cascade_ray.models.registry import module_layers
-from cascade_ray.stage.weights import state_digests
+from cascade_ray.models.weights import state_digests
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,13 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from cascade_ray.checks.params import param_group_issues
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.models import ModelSpecError, check_kwargs, resolve_factory
+from cascade_ray.solver import stage_solver_issues
+from cascade_ray.storage import parse_uri
+from cascade_ray.text import did_you_mean
 
 PRETRAINED_SUFFIXES = (".safetensors", ".pt", ".pth")
 
@@ -30,8 +35,6 @@ def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
         seen.setdefault(stage.name, i)
         issues += _stage_issues(stage, i, path, [s.name for s in cfg.stages[:i]])
     if not issues:  # needs buildable stages: param-group patterns against the real parameter names (meta device)
-        from cascade_ray.solver import param_group_issues
-
         issues += param_group_issues(cfg)
     return issues
 
@@ -63,8 +66,6 @@ def _data_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
 
 
 def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]) -> list[ConfigIssue]:
-    from cascade_ray.solver import stage_solver_issues
-
     issues = stage_solver_issues(stage, path)  # solver, precision, early stopping
     if stage.type == "module":
         if stage.model is None:
@@ -91,8 +92,6 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
             )
     else:
         for name, weight in (stage.loss.weights or {}).items():
-            from cascade_ray.config.loader import did_you_mean
-
             if name not in upstream:
                 issues.append(
                     ConfigIssue(
@@ -128,8 +127,6 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
     for name, count in stage.trainable_layers.items():
         key = f"{path}.trainable_layers.{name}"
         if name not in upstream:
-            from cascade_ray.config.loader import did_you_mean
-
             hint = did_you_mean(name, upstream)
             valid = ", ".join(upstream) or "none: this is the first stage"
             issues.append(ConfigIssue(key, f"{name!r} is not an upstream stage{hint} (upstream: {valid})"))
@@ -180,8 +177,6 @@ def cache_refusals(stage: StageConfig, index: int, path: str) -> list[tuple[str,
 
 
 def _model_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
-    from cascade_ray.models import ModelSpecError, check_kwargs, resolve_factory
-
     assert stage.model is not None
     try:
         factory = resolve_factory(stage.model.type)
@@ -222,8 +217,6 @@ def _storage_issues(storage_path: str) -> list[ConfigIssue]:
                 "set an absolute path (/shared/cascade-runs) or a URI (s3://bucket/runs)",
             )
         ]
-    from cascade_ray.storage import parse_uri
-
     try:
         parse_uri(storage_path)
     except ConfigError as exc:

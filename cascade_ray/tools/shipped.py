@@ -8,7 +8,7 @@ from pathlib import Path
 from cascade_ray.errors import CascadeError
 
 # Shipped files live next to the package in a checkout (pipelines/configs, tune_spaces).
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"config": ROOT / "pipelines" / "configs", "space": ROOT / "tune_spaces"}
 
 
@@ -42,7 +42,7 @@ def list_shipped() -> str:
 
 def copy_shipped(name: str, dest: str | Path) -> Path:
     """Copy a shipped file to `dest` (a file or folder) to edit it; never overwrites."""
-    from cascade_ray.config.loader import did_you_mean
+    from cascade_ray.text import did_you_mean
 
     files = shipped_files()
     if name not in files:

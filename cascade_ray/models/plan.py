@@ -145,7 +145,7 @@ def _plan_stage(
 
 def pretrained_issue(file: str, module: torch.nn.Module, key: str) -> ConfigIssue | None:
     """A problem with a pretrained state dict for `module` (keys and shapes), or None."""
-    from cascade_ray.stage.weights import read_state_shapes
+    from cascade_ray.models.weights import read_state_shapes
 
     try:
         shapes = read_state_shapes(file)

@@ -27,7 +27,7 @@ import torch
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.errors import CascadeError
-from cascade_ray.health.hooks import LoopHooks, LoopState, chain_hooks
+from cascade_ray.stage.hooks import LoopHooks, LoopState, chain_hooks
 
 _RULES = ("nonfinite", "grad_flow", "stall", "clip_saturation", "scale_collapse", "lr_drift", "frozen_drift")
 
@@ -38,7 +38,7 @@ class _Stop(Exception):
 
 def diagnose_config(cfg: PipelineConfig, index: int, steps: int) -> PipelineConfig:
     """The config diagnose runs: measure every step, patience within `steps`, warn instead of raise."""
-    from cascade_ray.config.loader import validate_config
+    from cascade_ray.checks import validate_config
 
     raw = cfg.model_dump(mode="json")
     health = raw["stages"][index]["health"]
@@ -132,8 +132,8 @@ def _cached_inputs(
     """
     import dataclasses
 
+    from cascade_ray.data.batches import train_batches
     from cascade_ray.pipeline.features import cache_decision, upstream_outputs
-    from cascade_ray.stage.batches import train_batches
     from cascade_ray.stage.loop import build_stage_model, stage_seed
 
     if index == 0:
@@ -191,7 +191,7 @@ def diagnose(
         upstream_source: where `upstream` came from, for the report.
         device: default CPU.
         profile: write a torch.profiler Chrome trace of a few of the steps here
-            (:mod:`cascade_ray.profiling`); the report gets its summary and top operators.
+            (:mod:`cascade_ray.stage.profiler`); the report gets its summary and top operators.
     """
     from cascade_ray.solver.schedule import lr_factor, total_optimizer_steps
     from cascade_ray.stage.loop import run_stage
@@ -217,7 +217,7 @@ def diagnose(
     hooks = recorder.hooks()
     profiler = None
     if profile is not None:
-        from cascade_ray.profiling import StepProfiler
+        from cascade_ray.stage.profiler import StepProfiler
 
         profiler = StepProfiler(profile, device, stage.name)
         hooks = chain_hooks(profiler.hooks(), hooks)  # the profiler steps before the recorder stops the run

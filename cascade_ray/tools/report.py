@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from cascade_ray.errors import CascadeError
-from cascade_ray.report.outputs import read_metrics, read_predictions
-from cascade_ray.report.plots import plot_confusion, plot_stage
+from cascade_ray.pipeline.outputs import read_metrics, read_predictions
+from cascade_ray.tools.plots import plot_confusion, plot_stage
 
 REPORT_DIR = "report"
 

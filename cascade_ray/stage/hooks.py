@@ -23,11 +23,11 @@ from torch import nn
 
 if TYPE_CHECKING:
     from cascade_ray.config.schema import StageConfig
-    from cascade_ray.health.monitor import HealthMonitor
     from cascade_ray.models.cascade import CascadeModel
+    from cascade_ray.models.freeze import TrainablePlan
     from cascade_ray.solver.schedule import LrSchedule
     from cascade_ray.solver.step import Precision, ScalerFactory
-    from cascade_ray.stage.freeze import TrainablePlan
+    from cascade_ray.stage.monitor import HealthMonitor
 
 
 @dataclass

@@ -20,9 +20,9 @@ from torch import nn
 
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.errors import FrozenDriftError, HealthError
+from cascade_ray.models.freeze import TrainablePlan, check_frozen, frozen_digest
 from cascade_ray.solver.schedule import LrSchedule
 from cascade_ray.solver.step import Precision, grad_norm
-from cascade_ray.stage.freeze import TrainablePlan, check_frozen, frozen_digest
 
 
 class HealthMonitor:

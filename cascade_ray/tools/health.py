@@ -18,7 +18,7 @@ from cascade_ray.errors import ConfigError, ConfigIssue
 
 def resolve_stage(cfg: PipelineConfig, name: str) -> int:
     """Index of stage `name`, or a ConfigError with a did-you-mean."""
-    from cascade_ray.config.loader import did_you_mean
+    from cascade_ray.text import did_you_mean
 
     names = [s.name for s in cfg.stages]
     if name not in names:
@@ -81,8 +81,8 @@ def diagnose_command(
     With `profile`, a torch.profiler trace of a few steps goes to ``profile/<stage>.trace.json``.
     """
     from cascade_ray.data.source import load_data
-    from cascade_ray.health.diagnose import diagnose, format_report
-    from cascade_ray.profiling import PROFILE_DIR
+    from cascade_ray.stage.profiler import PROFILE_DIR
+    from cascade_ray.tools.diagnose import diagnose, format_report
 
     index = resolve_stage(cfg, stage)
     state, source = load_upstream(cfg, index, upstream)
@@ -114,7 +114,7 @@ def lr_find_command(
 ) -> int:
     """Run the LR range test of one stage, write the PNG and print the suggested lr."""
     from cascade_ray.data.source import load_data
-    from cascade_ray.health.lrfind import lr_find, plot_lr_find
+    from cascade_ray.tools.lrfind import lr_find, plot_lr_find
 
     index = resolve_stage(cfg, stage)
     state, source = load_upstream(cfg, index, upstream)

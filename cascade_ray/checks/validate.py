@@ -1,0 +1,71 @@
+"""Full validation: YAML -> overrides -> schema -> cross-field rules -> shape preflight.
+
+Validation runs in three passes and collects all issues before raising once:
+
+1. the schema (unknown keys, wrong types, ranges), translated into key paths with a
+   did-you-mean (:func:`cascade_ray.config.loader.parse_config`);
+2. the offending keys are dropped (defaults take their place) so that the rest of
+   the file can still be checked: cross-field rules (:mod:`.semantic`);
+3. the meta-device shape preflight of the whole chain (:mod:`cascade_ray.models.plan`).
+
+So a file with a typo'd optimizer, a string ``betas``, an unknown key *and* a shape
+mismatch yields one error with four entries. This sits above models and solver because
+passes 2 and 3 build modules and optimizers; the schema pass itself is in ``config/``.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any
+
+from cascade_ray.checks.semantic import semantic_issues
+from cascade_ray.config.loader import parse_config, sorted_issues, stage_index
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.config.yaml_io import apply_overrides, read_yaml
+from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.models.plan import shape_issues
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = (), *, preflight: bool = True) -> PipelineConfig:
+    """Read a YAML config, apply ``key=value`` overrides and validate everything.
+
+    Raises:
+        ConfigError: listing every problem found, each with its key path.
+    """
+    raw = read_yaml(path)
+    issues = apply_overrides(raw, list(overrides))
+    return validate_config(raw, source=str(path), preflight=preflight, issues=issues)
+
+
+def validate_config(
+    raw: dict[str, Any],
+    *,
+    source: str = "",
+    preflight: bool = True,
+    issues: list[ConfigIssue] | None = None,
+) -> PipelineConfig:
+    """Validate a raw mapping (from YAML, overrides or a Tune-sampled dict).
+
+    Raises:
+        ConfigError: listing every problem found.
+    """
+    issues = list(issues or [])
+    cfg, dropped_paths = parse_config(raw, issues)
+    if cfg is not None:
+        semantic = [i for i in semantic_issues(cfg) if i.path not in dropped_paths]
+        issues += semantic
+        if preflight:
+            # A stage whose model is already reported cannot be built, and a stage whose model was
+            # dropped is skipped by the preflight, so every shape from there on is a consequence.
+            bad = [stage_index(path, model_only=True) for path in {i.path for i in semantic} | dropped_paths]
+            first_bad = min((b for b in bad if b is not None), default=len(cfg.stages))
+            reported = {issue.path for issue in semantic}
+            issues += [
+                i for i in shape_issues(cfg) if (stage_index(i.path) or 0) < first_bad and i.path not in reported
+            ]
+    if issues:
+        raise ConfigError(sorted_issues(issues), source)
+    if cfg is None:  # a failed parse always records an issue; this is a bug if reached
+        raise RuntimeError("config parse failed without reporting an issue")
+    return cfg

@@ -1,1 +1,0 @@
-"""Run outputs beyond the artifacts: metrics tables, test predictions, plots, report.md."""
