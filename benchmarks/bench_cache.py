@@ -17,7 +17,7 @@ same stage recomputing its frozen upstream every step (``freeze.cache_features: 
 2. **Sweep wall time, under Ray** (embedded ``ray.init(num_cpus=2)``, started once, not timed):
    a `--trials`-trial FIFO sweep of the ``classifier`` stage (the shipped
    ``tune_spaces/classifier.yaml`` space, ``num_samples`` raised to `--trials`), through
-   ``run_pipeline(spaces=..., stop_after="classifier")`` on top of features/encoder artifacts
+   ``run_pipeline(cfg, RunOptions(spaces=..., stop_after="classifier"))`` on top of features/encoder artifacts
    trained once beforehand with ``max_steps: 20`` (not timed). With the cache, the timed call
    includes computing the features (the cache folder is deleted before each run). Each trial
    fits its own TorchTrainer (1 worker x 2 CPUs), one at a time on 2 CPUs.
@@ -106,9 +106,9 @@ def sweep_times(repeats: int, trials: int) -> None:
     import ray
     import yaml
 
+    from cascade_ray.api import RunOptions, run_pipeline
     from cascade_ray.checks import load_config
     from cascade_ray.constants import apply_ray_env_defaults
-    from cascade_ray.pipeline.driver import run_pipeline
 
     root = Path(tempfile.mkdtemp(prefix="bench-cache-")).resolve()
     space = yaml.safe_load(SPACE.read_text()) | {"num_samples": trials, "scheduler": {"type": "fifo"}}
@@ -120,7 +120,7 @@ def sweep_times(repeats: int, trials: int) -> None:
     )
     try:
         t0 = time.perf_counter()
-        run_pipeline(load_config(CONFIG, base), stop_after="encoder", log=lambda _: None)
+        run_pipeline(load_config(CONFIG, base), RunOptions(stop_after="encoder"), log=lambda _: None)
         print(
             f"sweep: {trials}-trial FIFO sweep of classifier ({SPACE.name} space), upstream artifacts trained in {time.perf_counter() - t0:.1f} s (not timed); "
             f"ray {ray.__version__}, {repeats} runs each, alternating",
@@ -135,7 +135,9 @@ def sweep_times(repeats: int, trials: int) -> None:
                 t0 = time.perf_counter()
                 with contextlib.redirect_stdout(io.StringIO()):
                     summary = run_pipeline(
-                        cfg, spaces={"classifier": str(space_file)}, stop_after="classifier", log=lambda _: None
+                        cfg,
+                        RunOptions(spaces=(("classifier", str(space_file)),), stop_after="classifier"),
+                        log=lambda _: None,
                     )
                 times[kind].append(time.perf_counter() - t0)
                 record = summary["stages"][2]

@@ -7,7 +7,7 @@ cascade-ray's Ray env knobs (``cascade_ray.constants``: 0.1 s Train report polli
 preemption watcher / metrics / print patch) in its ``runtime_env``, so both sides get the
 same Ray tuning; ``RAY_ADDRESS`` is unset first (never another engineer's cluster).
 
-- **candidate**: ``cascade_ray.pipeline.driver.run_pipeline(cfg)``: data, resource and storage
+- **candidate**: ``cascade_ray.api.run_pipeline(cfg)``: data, resource and storage
   checks, per stage one TorchTrainer fit, best checkpoint, frozen hand-off check, artifact
   (safetensors + manifest with digests), one ``ray.put`` of the weights for the next stage;
   then the composed model on the test split, ``summary.json`` and the report files.
@@ -107,8 +107,8 @@ def run_candidate(config: Path, storage: Path, overrides: list[str] = ()) -> dic
     """run_pipeline, with each stage's fit timed (wrappers around the names it calls)."""
     import cascade_ray.pipeline.fit as fit_mod
     import cascade_ray.pipeline.stages as stages_mod
+    from cascade_ray.api import run_pipeline
     from cascade_ray.checks import load_config
-    from cascade_ray.pipeline.driver import run_pipeline
 
     fits: list[tuple[float, float]] = []
     original_fit, original_loop = stages_mod.fit_stage, fit_mod.train_loop_per_worker

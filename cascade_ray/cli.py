@@ -13,8 +13,18 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cascade_ray.errors import CascadeError
+from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue
+from cascade_ray.options import LOG_LEVELS, RunOptions
+from cascade_ray.tools.shipped import SHIPPED
+
+if TYPE_CHECKING:
+    from cascade_ray.config.schema import PipelineConfig
+
+# torch, Ray and the rest are imported by the commands that need them: `validate`, `ls` and
+# `--help` stay fast
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -27,15 +37,78 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_log_level(p: argparse.ArgumentParser) -> None:
-    from cascade_ray.logs import LOG_LEVELS
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a pipeline run, shared by ``cascade-ray run`` and ``pipelines/three_stage.py``."""
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse stage artifacts whose fingerprint matches and whose digests verify (after a crash); restore sweeps",
+    )
+    p.add_argument(
+        "--tune",
+        nargs="?",
+        const=str(SHIPPED["space"]),
+        default=None,
+        metavar="DIR",
+        help="sweep every stage that has a DIR/<stage>.yaml search space (default DIR: %(const)s), "
+        "the best trial frozen before the next stage",
+    )
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="STAGE",
+        help="torch.profiler trace of a few steps (skip 2, warm up 2, record 5) of STAGE (comma-separated names; "
+        "alone: every stage), written to {run}/profile/<stage>.trace.json, top operators printed",
+    )
+    _add_log_level(p)
 
+
+def _add_log_level(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
         help="info (default): cascade-ray's lines and progress, Ray's own log lines hidden (errors still shown); "
         "debug: everything Ray prints too; warning: no progress display, only warnings and errors from workers",
+    )
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args`` that also takes overrides after options (``tune CONFIG --space S lr=...``:
+    argparse alone stops collecting positionals at the first option) and ``--profile key=value``."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in a or a.endswith((".yaml", ".yml")) for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if isinstance(getattr(args, "profile", None), str) and "=" in args.profile:  # an override, not a stage
+        args.overrides, args.profile = [*args.overrides, args.profile], "all"
+    return args
+
+
+def run_options(args: argparse.Namespace, cfg: PipelineConfig) -> RunOptions:
+    """The :class:`RunOptions` of parsed run flags, checked against `cfg` (``--profile`` stage names)."""
+    from cascade_ray.stage.profiler import check_profile_stages
+
+    spaces: tuple[tuple[str, str], ...] = ()
+    if getattr(args, "tune", None):
+        folder = Path(args.tune)
+        if not folder.is_dir():
+            raise ConfigError(
+                [ConfigIssue("--tune", f"{folder} is not a folder", "pass a folder of <stage>.yaml spaces")]
+            )
+        spaces = tuple(
+            (s.name, str(folder / f"{s.name}.yaml")) for s in cfg.stages if (folder / f"{s.name}.yaml").is_file()
+        )
+    return RunOptions(
+        address=args.address,
+        resume=args.resume,
+        log_level=args.log_level,
+        profile=frozenset(check_profile_stages(cfg, args.profile)) if getattr(args, "profile", None) else frozenset(),
+        spaces=spaces,
     )
 
 
@@ -46,20 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p = sub.add_parser("run", help="train every stage of a config")
     _add_config_args(p)
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
-    p.add_argument(
-        "--resume", action="store_true", help="reuse stage artifacts whose fingerprint matches and whose digests verify"
-    )
-    p.add_argument(
-        "--profile",
-        nargs="?",
-        const="all",
-        default=None,
-        metavar="STAGE",
-        help="torch.profiler trace of a few steps (skip 2, warm up 2, record 5) of STAGE (comma-separated names; alone: every stage), "
-        "written to {run}/profile/<stage>.trace.json, top operators printed",
-    )
-    _add_log_level(p)
+    add_run_args(p)
     p = sub.add_parser("tune", help="sweep one stage with Ray Tune on top of the trained (or reused) upstream")
     _add_config_args(p)
     p.add_argument("--space", required=True, help="search space file, e.g. tune_spaces/encoder.yaml")
@@ -170,19 +230,8 @@ def _run_tool(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    # overrides may come after options too (`tune CONFIG --space S lr=...`): argparse alone
-    # stops collecting positionals at the first option
-    args, extra = parser.parse_known_args(argv)
-    if extra and hasattr(args, "overrides") and all("=" in a or a.endswith((".yaml", ".yml")) for a in extra):
-        args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if (
-        isinstance(getattr(args, "profile", None), str) and "=" in args.profile
-    ):  # `run CONFIG --profile key=value`: an override, not a stage
-        args.overrides, args.profile = [*args.overrides, args.profile], "all"
-    from cascade_ray.checks import load_config
+    args = parse_args(build_parser(), argv)
+    from cascade_ray.api import load_config
 
     try:
         if args.command in _NO_CONFIG:
@@ -220,21 +269,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 upstream=args.upstream,
                 device=args.device,
             )
-        from cascade_ray.logs import set_log_level
-        from cascade_ray.pipeline.driver import run_pipeline
+        from cascade_ray.api import run_pipeline
+        from cascade_ray.logs import apply_log_level
+        from cascade_ray.tune.space import load_space
 
-        set_log_level(args.log_level)
         if args.command == "tune":
-            from cascade_ray.tune.space import load_space
-
             stage = load_space(args.space, cfg).stage
-            run_pipeline(cfg, address=args.address, resume=args.resume, spaces={stage: args.space}, stop_after=stage)
-            return 0
-        if args.profile is not None:
-            from cascade_ray.stage.profiler import check_profile_stages, request_profile
-
-            request_profile(check_profile_stages(cfg, args.profile))
-        run_pipeline(cfg, address=args.address, resume=args.resume)
+            options = RunOptions(
+                address=args.address,
+                resume=args.resume,
+                log_level=args.log_level,
+                spaces=((stage, args.space),),
+                stop_after=stage,
+            )
+        else:
+            options = run_options(args, cfg)
+        apply_log_level(options.log_level)
+        run_pipeline(cfg, options)
         return 0
     except CascadeError as exc:
         print(f"error: {exc}", file=sys.stderr)

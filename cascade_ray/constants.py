@@ -24,11 +24,10 @@ RAY_ENV_DEFAULTS: dict[str, str] = {
 
 
 def apply_ray_env_defaults() -> dict[str, str]:
-    """Set the Ray env defaults in this process (user values win); return what is in force,
-    with ``LOG_LEVEL_ENV`` when ``--log-level`` set it."""
+    """Set the Ray env defaults in this process (user values win); return what is in force."""
     for key, value in RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in [*RAY_ENV_DEFAULTS, LOG_LEVEL_ENV] if key in os.environ}
+    return {key: os.environ[key] for key in RAY_ENV_DEFAULTS if key in os.environ}
 
 
 # Test hook: "<stage>:<optimizer step>:<marker file>" kills rank 0 of that stage right after
@@ -42,8 +41,3 @@ FAULT_ONCE_ENV = "CASCADE_RAY_FAULT_ONCE"
 PROGRESS_PUSH_INTERVAL_S = 0.5
 PROGRESS_LINE_INTERVAL_S = 15.0
 PROGRESS_LINE_INTERVAL_ENV = "CASCADE_RAY_PROGRESS_LINE_INTERVAL_S"
-
-# --log-level (cascade_ray/logs.py): set in the driver by the CLI / pipeline script and passed to
-# every Ray process with the runtime_env, so Tune trial drivers configure Ray Train the same way.
-LOG_LEVEL_ENV = "CASCADE_RAY_LOG_LEVEL"
-DEFAULT_LOG_LEVEL = "info"

@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from cascade_ray.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV
-from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.options import LOG_LEVELS
 
-LOG_LEVELS = ("debug", "info", "warning")
+__all__ = [
+    "LOG_LEVELS",
+    "apply_log_level",
+    "install_worker_filter",
+    "keep_lines",
+    "ray_logging_level",
+    "train_logging_config",
+]
 
 # Ray Train / Tune machinery; their lines are Ray's business unless --log-level debug
 _RAY_ACTORS = re.compile(
@@ -48,36 +53,25 @@ _OWN_INFO = re.compile(r"^\[[\w.-]+\] ")
 _print_guard: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
-def log_level() -> str:
-    """The level in force: ``LOG_LEVEL_ENV`` (set by :func:`set_log_level`, passed to Ray processes), default info."""
-    level = os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL)
-    if level not in LOG_LEVELS:
-        raise ConfigError(
-            [ConfigIssue(LOG_LEVEL_ENV, f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")]
-        )
-    return level
+def apply_log_level(level: str) -> None:
+    """Set this driver process's ``ray`` logger for `level` (before ``ray.init``).
 
-
-def set_log_level(level: str) -> None:
-    """Make `level` the level of this driver and of the Ray processes it starts (before ``ray.init``)."""
-    if level not in LOG_LEVELS:
-        raise ConfigError(
-            [ConfigIssue("--log-level", f"unknown log level {level!r}", f"use one of {', '.join(LOG_LEVELS)}")]
-        )
-    os.environ[LOG_LEVEL_ENV] = level
+    The level itself travels in :class:`~cascade_ray.options.RunOptions`; Ray's workers get it
+    in their train loop config, Ray Train's loggers through :func:`train_logging_config`.
+    """
     logging.getLogger("ray").setLevel(ray_logging_level(level))
 
 
-def ray_logging_level(level: str | None = None) -> int:
+def ray_logging_level(level: str) -> int:
     """Level of the driver's ``ray`` logger: DEBUG with ``debug``, else ERROR."""
-    return logging.DEBUG if (level or log_level()) == "debug" else logging.ERROR
+    return logging.DEBUG if level == "debug" else logging.ERROR
 
 
-def train_logging_config() -> Any:
+def train_logging_config(level: str) -> Any:
     """Ray Train's ``LoggingConfig`` for a stage's ``RunConfig`` (controller and worker loggers)."""
     import ray.train
 
-    return ray.train.LoggingConfig(log_level="DEBUG" if log_level() == "debug" else "ERROR")
+    return ray.train.LoggingConfig(log_level="DEBUG" if level == "debug" else "ERROR")
 
 
 def keep_lines(data: dict[str, Any], level: str) -> list[str]:
@@ -103,12 +97,11 @@ def set_print_guard(guard: Callable[[], AbstractContextManager[Any]] | None) -> 
     _print_guard = guard or nullcontext
 
 
-def install_worker_filter(level: str | None = None) -> bool:
+def install_worker_filter(level: str) -> bool:
     """Put :func:`keep_lines` in front of Ray's printer of forwarded worker output (after ``ray.init``).
 
     Returns False (output unfiltered) when this Ray does not have the private hook this uses.
     """
-    level = level or log_level()
     try:
         from ray._private import worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher

@@ -10,6 +10,7 @@ Local, with an embedded Ray (or the cluster in RAY_ADDRESS when set):
     python pipelines/three_stage.py --config pipelines/configs/debug.yaml stages.encoder.solver.lr=1e-3
     python pipelines/three_stage.py --tune          # sweep each stage with a tune_spaces/<stage>.yaml
     python pipelines/three_stage.py --log-level debug   # Ray's own log lines too (default: hidden)
+    python pipelines/three_stage.py --profile encoder   # torch.profiler trace of a few encoder steps
 
 On a cluster (storage_path must be storage every node can reach):
 
@@ -28,63 +29,38 @@ from pathlib import Path
 # without installing the package on the cluster first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cascade_ray.checks import load_config
+from cascade_ray.api import load_config, run_pipeline
+from cascade_ray.cli import add_run_args, parse_args, run_options
 from cascade_ray.errors import CascadeError
+from cascade_ray.logs import apply_log_level
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "three_stage.yaml"
-SPACES = Path(__file__).resolve().parents[1] / "tune_spaces"
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The same run flags as ``cascade-ray run`` (one shared definition), plus ``--config``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="pipeline YAML (default: %(default)s)")
-    parser.add_argument("--address", default=None, help="Ray address; default RAY_ADDRESS, else an embedded Ray")
-    parser.add_argument(
-        "--tune",
-        nargs="?",
-        const=str(SPACES),
-        default=None,
-        metavar="DIR",
-        help="sweep every stage with a DIR/<stage>.yaml space (default DIR: %(const)s), best trial frozen before the next",
-    )
-    parser.add_argument(
-        "--resume", action="store_true", help="reuse finished stages whose fingerprint matches (after a crash)"
-    )
-    parser.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning"],
-        default="info",
-        help="info: progress and cascade-ray's lines, Ray's own hidden (errors shown); debug: everything; warning: no progress",
-    )
+    add_run_args(parser)
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages[0].train.epochs=1"
     )
-    return parser.parse_args()
+    return parser
 
 
 def main() -> int:
-    args = parse_args()
+    args = parse_args(build_parser())
     try:
-        from cascade_ray.logs import set_log_level
-
-        set_log_level(args.log_level)
         # 1. the plan: config + overrides, validated with the shape preflight (no Ray yet)
         cfg = load_config(args.config, args.overrides)
+        options = run_options(args, cfg)  # --tune DIR, --profile, --resume, --log-level, --address
+        apply_log_level(options.log_level)
         print(f"config {args.config}: {' -> '.join(s.name for s in cfg.stages)}", flush=True)
         print(cfg.model_dump_json(indent=2, exclude_defaults=True), flush=True)
 
         # 2. the stages, in order, each frozen and handed on through the object store
         #    (with --tune: stages that have a search space are swept, the best trial kept)
-        from cascade_ray.pipeline.driver import run_pipeline
-
-        spaces = {
-            s.name: str(Path(args.tune) / f"{s.name}.yaml")
-            for s in cfg.stages
-            if args.tune and (Path(args.tune) / f"{s.name}.yaml").is_file()
-        }
-        summary = run_pipeline(
-            cfg, address=args.address, resume=args.resume, spaces=spaces, log=lambda line: print(line, flush=True)
-        )
+        summary = run_pipeline(cfg, options, log=lambda line: print(line, flush=True))
     except CascadeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

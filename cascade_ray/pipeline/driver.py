@@ -8,6 +8,7 @@ the object store.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -23,13 +24,14 @@ from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, eval_batches
 from cascade_ray.data.source import load_data
 from cascade_ray.errors import ConfigError, ConfigIssue
-from cascade_ray.logs import install_worker_filter, log_level, ray_logging_level
+from cascade_ray.logs import install_worker_filter, ray_logging_level
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import NumpyState, load_numpy_state
+from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.outputs import write_run_outputs
-from cascade_ray.pipeline.stages import Handoff, StageSession
+from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
 from cascade_ray.solver import step_count_issues
 from cascade_ray.stage.progress import ProgressSession
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
@@ -43,32 +45,31 @@ def run_dir(cfg: PipelineConfig) -> StorageDir:
 
 def run_pipeline(
     cfg: PipelineConfig,
+    options: RunOptions | None = None,
     *,
-    address: str | None = None,
-    resume: bool = False,
-    spaces: Mapping[str, str] | None = None,
-    stop_after: str | None = None,
+    runners: Mapping[str, StageRunner] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Train (or sweep) every stage in order and evaluate the composed model on the test split.
+    """Run every stage in order and evaluate the composed model on the test split.
 
     Args:
         cfg: a validated config.
-        address: Ray cluster address; default ``RAY_ADDRESS`` or an embedded Ray.
-        resume: reuse each stage artifact whose fingerprint matches and whose digests verify
-            (and restore interrupted sweeps).
-        spaces: stage name -> Tune space file; those stages are swept with Ray Tune and the
-            best trial becomes the stage (its config, its weights) before the next stage.
-        stop_after: stop after this stage (no composed-model evaluation).
+        options: the run's options (address, resume, log level, profiled stages, stop_after).
+        runners: stage name -> the runner of that stage (e.g. a Tune sweep, whose best trial
+            becomes the stage: its config, its weights); other stages are reused or fitted
+            (:meth:`StageSession.run`). :func:`cascade_ray.api.run_pipeline` builds them from
+            ``options.spaces``.
         log: where progress lines go.
 
     Returns:
         The summary, also written to ``{storage_path}/{name}/summary.json`` for full runs.
     """
-    from cascade_ray.tune.space import load_space
-
+    options = options or RunOptions()
+    runners = dict(runners or {})
+    unknown = sorted(set(runners) - {s.name for s in cfg.stages})
+    if unknown:
+        raise ConfigError([ConfigIssue("stage", f"no stage {', '.join(map(repr, unknown))} to run a runner for")])
     out = run_dir(cfg)
-    loaded = {stage: (load_space(path, cfg), str(path)) for stage, path in (spaces or {}).items()}  # errors before Ray
     data = load_data(cfg.data, cfg.seed)  # DataError before any Ray resource
     require_plans(cfg, data.image_shape, data.num_classes)
     # schedule lengths vs the real optimizer steps need the training-set size
@@ -80,10 +81,10 @@ def run_pipeline(
     log(
         f"data: {data.source}: train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}, {data.num_classes} classes"
     )
-    if not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
+    if not ray.is_initialized() and not (options.address or os.environ.get("RAY_ADDRESS")):
         _check_embedded_resources(cfg)  # the embedded Ray will be this machine: fail before starting it
-    started_ray = _init_ray(address)
-    progress = ProgressSession.start(show=log_level() != "warning")  # board + display; see progress.py
+    started_ray = _init_ray(options.address, options.log_level)
+    progress = ProgressSession.start(show=options.show_progress)  # board + display; see stage/progress.py
     log = progress.wrap(log)
     try:
         cluster = cluster_view()
@@ -99,6 +100,8 @@ def run_pipeline(
             data.num_classes,
             log,
             split_sizes={"train": len(data.y_train), "val": len(data.y_val)},
+            options=options,
+            board=progress.board,
         )
         upstream: Handoff | None = None
         records = []
@@ -106,19 +109,27 @@ def run_pipeline(
             log(
                 f"stage {index + 1}/{len(cfg.stages)}: {stage.name} ({stage.type}) on {stage.scaling.num_workers} worker(s)"
             )
-            if stage.name in loaded:
-                record, upstream = _sweep(session, index, upstream, *loaded[stage.name], resume=resume, log=log)
+            if stage.name in runners:
+                outcome = runners[stage.name](session, index, upstream)
             else:
-                record, upstream = session.run(index, upstream, resume=resume or stop_after is not None)
-            records.append(record)
-            log(f"  {stage.name} {record['status']}: {_fmt_metrics(record['metrics'])} ({record['wall_s']:.1f} s)")
-            if stage.name == stop_after:
+                record, handoff = session.run(index, upstream, resume=options.resume or options.stop_after is not None)
+                outcome = StageOutcome(record, handoff, session.cfg)
+            if outcome.cfg is not session.cfg:  # a sweep's best values hold from this stage on
+                session = dataclasses.replace(session, cfg=outcome.cfg)
+            upstream = outcome.handoff
+            records.append(outcome.record)
+            log(
+                f"  {stage.name} {outcome.record['status']}: {_fmt_metrics(outcome.record['metrics'])} "
+                f"({outcome.record['wall_s']:.1f} s)"
+            )
+            if stage.name == options.stop_after:
                 return {"name": cfg.name, "stages": records, "storage": str(out)}
     finally:
         progress.stop()
         if started_ray:
             ray.shutdown()
-    assert upstream is not None
+    if upstream is None:
+        raise ConfigError([ConfigIssue("stages", "the pipeline has no stage", "add at least one stage")])
     final_cfg = session.cfg  # swept stages carry their best trial's values
     test = evaluate_composed(final_cfg, data, upstream.state)
     summary = {
@@ -136,30 +147,7 @@ def run_pipeline(
     return summary
 
 
-def _sweep(
-    session: StageSession,
-    index: int,
-    upstream: Handoff | None,
-    space: Any,
-    space_file: str,
-    *,
-    resume: bool,
-    log: Callable[[str], None],
-) -> tuple[dict[str, Any], Handoff]:
-    from cascade_ray.tune.run import adopt_best, format_results, sweep_stage
-
-    outcome = sweep_stage(session, space, space_file, upstream, resume=resume)
-    log(format_results(outcome, space.metric))
-    _, record, handoff = adopt_best(session, index, upstream, outcome)
-    record["sweep"] = {
-        "results": str(outcome.results_path),
-        "best": str(outcome.best_yaml),
-        "trials": len(outcome.table),
-    }
-    return record, handoff
-
-
-def _init_ray(address: str | None) -> bool:
+def _init_ray(address: str | None, level: str) -> bool:
     """Connect to `address`/``RAY_ADDRESS`` or start an embedded Ray; True if we started it.
 
     The env knobs reach the cluster's Train controller and workers through this driver's
@@ -185,12 +173,12 @@ def _init_ray(address: str | None) -> bool:
         ray.init(
             address=target,
             log_to_driver=True,
-            logging_level=ray_logging_level(),
+            logging_level=ray_logging_level(level),
             runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}},
         )
     else:
-        ray.init(logging_level=ray_logging_level(), runtime_env={"env_vars": env})
-    install_worker_filter()  # --log-level: Ray's own chatter out of the way, errors kept
+        ray.init(logging_level=ray_logging_level(level), runtime_env={"env_vars": env})
+    install_worker_filter(level)  # --log-level: Ray's own chatter out of the way, errors kept
     return True
 
 

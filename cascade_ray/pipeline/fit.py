@@ -17,6 +17,7 @@ from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
 from cascade_ray.logs import train_logging_config
+from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.trainer import StageTrainer
 from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
@@ -229,15 +230,20 @@ def fit_stage(
     run_name: str,
     callbacks: list[Any] | None = None,
     features_ref: ray.ObjectRef | None = None,
+    options: RunOptions | None = None,
+    board: Any = None,
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job (:class:`StageTrainer`) and return its Result.
 
     ``callbacks`` go to ``RunConfig`` (Tune trials pass ``TuneReportCallback``); ``features_ref``
-    holds the stage's cached upstream outputs (:mod:`cascade_ray.pipeline.features`).
+    holds the stage's cached upstream outputs (:mod:`cascade_ray.pipeline.features`);
+    ``options`` are the run's (log level, profiled stages), ``board`` its progress board
+    (``None``: workers print their own progress).
 
     Raises:
         CascadeError: a worker raised one (re-raised as is, with its message).
     """
+    options = options or RunOptions()
     stage = cfg.stages[index]
     use_gpu = resolve_use_gpu(stage, cluster_view())
     pipeline = cfg.model_dump(mode="json")
@@ -252,7 +258,7 @@ def fit_stage(
             "upstream_ref": [upstream_ref] if upstream_ref is not None else [],
             "features_ref": [features_ref] if features_ref is not None else [],
             "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
-            **observer_config(cfg, index, ray_dir.parent),  # progress board, log level, --profile trace path
+            **observer_config(cfg, index, ray_dir.parent, options, board),  # progress, log level, --profile trace
         },
         # backend: Ray Train picks NCCL when workers have GPUs, gloo otherwise (TorchConfig(backend=None))
         scaling_config=ray.train.ScalingConfig(
@@ -264,7 +270,9 @@ def fit_stage(
             name=run_name,
             storage_path=str(ray_dir),
             callbacks=callbacks,
-            logging_config=train_logging_config(),  # Ray Train's own INFO lines only with --log-level debug
+            logging_config=train_logging_config(
+                options.log_level
+            ),  # Ray Train's own INFO lines only with --log-level debug
             # a crashed worker restarts the group from the latest checkpoint (trainer state included)
             failure_config=ray.train.FailureConfig(max_failures=stage.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(

@@ -1,7 +1,10 @@
 """Running one stage inside a pipeline session: reuse a matching artifact, or fit, check and persist.
 
 A :class:`Handoff` is a finished stage as the next one sees it: the composed numpy state
-(put in the object store once), its object ref and its fingerprint.
+(put in the object store once), its object ref and its fingerprint. A :class:`StageRunner`
+turns (session, stage index, upstream) into a :class:`StageOutcome`; the driver's default is
+:meth:`StageSession.run` (reuse or fit), and a sweep runner (``cascade_ray.tune.run``) is
+injected by the API for stages that have a search space.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import ray.train
@@ -25,6 +28,7 @@ from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.freeze import apply_freeze, plan_trainable
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import NumpyState, state_digests
+from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
@@ -38,6 +42,22 @@ class Handoff:
     state: NumpyState
     ref: ray.ObjectRef
     fingerprint: str
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    """What running one stage produced."""
+
+    record: dict[str, Any]
+    handoff: Handoff
+    cfg: PipelineConfig
+    """The pipeline config from this stage on: a sweep's best trial's values, else unchanged."""
+
+
+class StageRunner(Protocol):
+    """Runs stage `index` of `session` on top of `upstream` (a fit, a sweep, ...)."""
+
+    def __call__(self, session: StageSession, index: int, upstream: Handoff | None) -> StageOutcome: ...
 
 
 def stage_accounting(
@@ -75,6 +95,8 @@ class StageSession:
     num_classes: int
     log: Callable[[str], None] = print
     split_sizes: dict[str, int] = field(default_factory=dict)  # samples per split, for the feature cache
+    options: RunOptions = field(default_factory=RunOptions)
+    board: Any = None  # the run's progress board (None: no live display)
     # (stage index, the cached inputs it trained on) of the newest cached stage only: the next
     # stage computes its own from it, older ones would pin object-store memory to the end
     newest_cache: tuple[int, FeatureCache] | None = None
@@ -101,6 +123,8 @@ class StageSession:
             ray_dir=self.out / "ray",
             run_name=name,
             features_ref=cache.ref if cache else None,
+            options=self.options,
+            board=self.board,
         )
         return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
 

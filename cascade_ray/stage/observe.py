@@ -14,24 +14,25 @@ from typing import Any
 import torch
 
 from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.options import RunOptions
 from cascade_ray.stage.hooks import LoopHooks, LoopState, chain_hooks
+from cascade_ray.stage.profiler import StepProfiler, trace_path_for
+from cascade_ray.stage.progress import ProgressHook, send_note
 
 
 def _quiet(state: LoopState) -> None:
     return None
 
 
-def observer_config(cfg: PipelineConfig, index: int, run_dir: Any) -> dict[str, Any]:
-    """The observing keys of stage `index`'s train loop config (driver side)."""
-    from cascade_ray.logs import log_level
-    from cascade_ray.stage.profiler import trace_path_for
-    from cascade_ray.stage.progress import active_board
+def observer_config(cfg: PipelineConfig, index: int, run_dir: Any, options: RunOptions, board: Any) -> dict[str, Any]:
+    """The observing keys of stage `index`'s train loop config (driver side).
 
-    board = active_board()
+    `board` is the run's progress board handle (``None``: no display, e.g. a Tune trial).
+    """
     return {
         "progress": [board] if board is not None else [],  # inside a list: Ray passes the handle as is
-        "log_level": log_level(),
-        "profile": trace_path_for(cfg.stages[index].name, run_dir),
+        "log_level": options.log_level,
+        "profile": trace_path_for(cfg.stages[index].name, run_dir, options.profile),
     }
 
 
@@ -39,8 +40,6 @@ def observer_hooks(
     loop_config: Mapping[str, Any], cfg: PipelineConfig, index: int, rank: int, world: int, device: torch.device
 ) -> tuple[LoopHooks, Callable[[], None]]:
     """Hooks for this worker, and what to call when the stage ends (success or not)."""
-    from cascade_ray.stage.progress import ProgressHook, send_note
-
     stage = cfg.stages[index]
     board = (loop_config.get("progress") or [None])[0]
     hooks: list[LoopHooks] = []
@@ -59,8 +58,6 @@ def observer_hooks(
         hooks.append(LoopHooks(on_log=_quiet))
     profiler = None
     if rank == 0 and loop_config.get("profile"):
-        from cascade_ray.stage.profiler import StepProfiler
-
         profiler = StepProfiler(loop_config["profile"], device, stage.name, where=_where())
         hooks.append(profiler.hooks())
 

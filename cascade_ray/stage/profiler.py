@@ -6,8 +6,8 @@ Chrome / Perfetto JSON (open it at https://ui.perfetto.dev or chrome://tracing; 
 profiler plugin reads it too). Only rank 0 profiles.
 
 ``cascade-ray diagnose --profile`` profiles in-process; ``cascade-ray run --profile [STAGE]``
-asks :func:`request_profile` in the driver, and ``fit_stage`` tells the stage's workers where
-to write (:func:`trace_path_for`): ``{run}/profile/<stage>.trace.json`` when storage is local,
+puts the checked stage names in :class:`~cascade_ray.options.RunOptions`, and ``fit_stage``
+tells the stage's workers where to write (:func:`trace_path_for`): ``{run}/profile/<stage>.trace.json`` when storage is local,
 else a local folder on the worker's node (the summary says which).
 """
 
@@ -26,8 +26,6 @@ from cascade_ray.stage.hooks import LoopHooks, LoopState
 PROFILE_WAIT_STEPS, PROFILE_WARMUP_STEPS, PROFILE_ACTIVE_STEPS = 2, 2, 5
 PROFILE_DIR = "profile"
 TOP_OPERATORS = 10
-
-_requested: set[str] | None = None  # stage names the driver's --profile asked for (driver only)
 
 
 def check_profile_stages(cfg: PipelineConfig, value: str) -> set[str]:
@@ -55,16 +53,11 @@ def check_profile_stages(cfg: PipelineConfig, value: str) -> set[str]:
     return set(wanted)
 
 
-def request_profile(stages: set[str] | None) -> None:
-    """Profile these stages in this driver's pipeline run (None: none)."""
-    global _requested
-    _requested = set(stages) if stages else None
-
-
-def trace_path_for(stage: str, run_dir: Any) -> str:
-    """Where a stage's workers write its trace: "" when not requested; under a local run dir, or
-    a local temp folder on the worker's node for URI storage."""
-    if not _requested or stage not in _requested:
+def trace_path_for(stage: str, run_dir: Any, profile: frozenset[str]) -> str:
+    """Where a stage's workers write its trace: "" when `stage` is not in `profile` (the run's
+    ``--profile`` stages); under a local run dir, or a local temp folder on the worker's node for
+    URI storage."""
+    if stage not in profile:
         return ""
     if isinstance(run_dir, Path):
         return str(run_dir / PROFILE_DIR / f"{stage}.trace.json")

@@ -13,8 +13,9 @@ Three pieces, so that no step of any worker ever waits on a display:
   and ends and in between at most every ``PROGRESS_LINE_INTERVAL_S`` seconds and
   ``train.log_interval`` steps, whichever is rarer.
 
-``fit_stage`` hands the board of the :func:`active_board` to the workers of a pipeline run;
-Tune trials run in other processes and see none (their workers print as before).
+The driver starts a :class:`ProgressSession` and passes its board down explicitly (stage
+session -> ``fit_stage`` -> the workers' loop config); Tune trials run in other processes and
+get none (their workers print as before).
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 from cascade_ray.constants import PROGRESS_LINE_INTERVAL_ENV, PROGRESS_LINE_INTERVAL_S, PROGRESS_PUSH_INTERVAL_S
-
-_ACTIVE: Any = None  # the board of the pipeline run in progress in this process (driver only)
 
 
 class ProgressBoard:
@@ -55,11 +54,6 @@ class ProgressBoard:
     def read(self, seen_notes: int) -> tuple[int, dict[str, Any] | None, list[str]]:
         """(version, latest update, notes after the first `seen_notes`)."""
         return self.version, self.latest, self.notes[seen_notes:]
-
-
-def active_board() -> Any:
-    """The board handle of the pipeline run in progress in this process, or None."""
-    return _ACTIVE
 
 
 def send_note(board: Any, text: str) -> None:
@@ -329,12 +323,11 @@ class ProgressSession:
 
     @classmethod
     def start(cls, show: bool = True, stream: TextIO | None = None) -> ProgressSession:
-        """Create the board, make it the :func:`active_board` and display it.
+        """Create the board and display it; pass :attr:`board` to the stages' fits.
 
         With ``show`` False (``--log-level warning``) there is no board. A board that cannot be
         created leaves the workers printing their progress lines, as Tune trials do.
         """
-        global _ACTIVE
         if not show:
             return cls()
         import ray
@@ -347,7 +340,6 @@ class ProgressSession:
             print(f"note: no progress display ({type(exc).__name__}: {exc})", flush=True)
             return cls()
         display = ProgressDisplay(lambda seen: ray.get(board.read.remote(seen), timeout=10), stream).start()
-        _ACTIVE = board
         set_print_guard(display.paused)  # forwarded worker lines clear the live line first
         return cls(board, display)
 
@@ -357,12 +349,10 @@ class ProgressSession:
 
     def stop(self) -> None:
         """Show the last update and notes, stop the thread and the board."""
-        global _ACTIVE
         if self.board is None:
             return
         from cascade_ray.logs import set_print_guard
 
-        _ACTIVE = None
         set_print_guard(None)
         if self.display is not None:
             self.display.stop()

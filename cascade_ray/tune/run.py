@@ -8,6 +8,7 @@ sorted by the metric) and ``best.yaml`` (the best trial's values as overrides:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import yaml
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError
-from cascade_ray.pipeline.stages import Handoff, StageSession, stage_fingerprint
+from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import build_tuner, trial_config
 
@@ -41,6 +42,31 @@ class SweepOutcome:
     best_yaml: Path
 
 
+@dataclass(frozen=True)
+class SweepRunner:
+    """The stage runner for a stage with a search space: sweep, then make the best trial the stage.
+
+    Injected into the driver by :func:`cascade_ray.api.run_pipeline`; the space is loaded (and
+    checked) before Ray starts.
+    """
+
+    space: TuneSpace
+    space_file: str
+    resume: bool = False
+
+    def __call__(self, session: StageSession, index: int, upstream: Handoff | None) -> StageOutcome:
+        started = time.perf_counter()
+        outcome = sweep_stage(session, self.space, self.space_file, upstream, resume=self.resume)
+        session.log(format_results(outcome, self.space.metric))
+        cfg, record, handoff = adopt_best(session, index, upstream, outcome, started=started)
+        record["sweep"] = {
+            "results": str(outcome.results_path),
+            "best": str(outcome.best_yaml),
+            "trials": len(outcome.table),
+        }
+        return StageOutcome(record, handoff, cfg)
+
+
 def sweep_stage(
     session: StageSession, space: TuneSpace, space_file: str, upstream: Handoff | None, *, resume: bool
 ) -> SweepOutcome:
@@ -56,6 +82,7 @@ def sweep_stage(
         exp_dir=exp_dir,
         resume=resume,
         features_ref=cache.ref if cache else None,
+        options=session.options,
     )
     grid = tuner.fit()
     frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)
@@ -112,20 +139,24 @@ def format_results(outcome: SweepOutcome, metric: str, limit: int = 20) -> str:
 
 
 def adopt_best(
-    session: StageSession, index: int, upstream: Handoff | None, outcome: SweepOutcome
+    session: StageSession, index: int, upstream: Handoff | None, outcome: SweepOutcome, *, started: float
 ) -> tuple[PipelineConfig, dict[str, Any], Handoff]:
-    """Make the best trial the stage: its config becomes the pipeline's, its weights the artifact."""
+    """Make the best trial the stage: its weights become the artifact, and the returned config
+    (the best trial's values) the pipeline's from this stage on. `session` is left unchanged.
+
+    `started` is when the sweep began (``time.perf_counter()``), so the record's ``wall_s`` is
+    the whole sweep's.
+    """
     cfg = trial_config(session.cfg, outcome.stage, outcome.best_values)
-    session.cfg = cfg
     fp = stage_fingerprint(cfg, index, upstream.fingerprint if upstream else "", session.data_fp)
     result = ray.train.Result.from_path(str(outcome.best_trial_run))
-    record, handoff = session.finish(
+    record, handoff = dataclasses.replace(session, cfg=cfg).finish(
         index,
         upstream,
         result,
         fp=fp,
         run_name=outcome.best_trial_run.name,
-        started=time.perf_counter(),
+        started=started,
         history=outcome.best_history,
     )
     record["status"] = "tuned"

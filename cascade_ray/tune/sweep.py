@@ -26,6 +26,7 @@ from ray import tune
 from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import fit_stage, worker_resources
 from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
 
@@ -78,7 +79,15 @@ def max_concurrent(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> in
     return space.max_concurrent_trials or fits
 
 
-def _run_trial(config: dict[str, Any], *, base: dict[str, Any], stage: str, refs: dict[str, Any], ray_dir: str) -> None:
+def _run_trial(
+    config: dict[str, Any],
+    *,
+    base: dict[str, Any],
+    stage: str,
+    refs: dict[str, Any],
+    ray_dir: str,
+    options: RunOptions,
+) -> None:
     """One trial (runs in a Tune trial actor)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -97,6 +106,7 @@ def _run_trial(config: dict[str, Any], *, base: dict[str, Any], stage: str, refs
         run_name=run.name,
         callbacks=[TuneReportCallback()],
         features_ref=features_ref,
+        options=options,
     )
     _drain_tune_reports()
     # which object-store copies this trial read: the same ids for every trial, by design
@@ -185,9 +195,12 @@ def build_tuner(
     exp_dir: Path,
     resume: bool,
     features_ref: ray.ObjectRef | None = None,
+    options: RunOptions | None = None,
 ) -> tune.Tuner:
     """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists); every trial
-    reads the same data, upstream and (when the stage caches them) upstream-feature objects."""
+    reads the same data, upstream and (when the stage caches them) upstream-feature objects.
+
+    Trials run with the run's log level; they have no progress board and are not profiled."""
     stage = cfg.stages[cfg.stage_index(space.stage)]
     refs = (
         {"data": data_ref}
@@ -195,7 +208,12 @@ def build_tuner(
         | ({"features": features_ref} if features_ref is not None else {})
     )
     fn = functools.partial(
-        _run_trial, base=cfg.model_dump(mode="json"), stage=space.stage, refs=refs, ray_dir=str(exp_dir / "trials")
+        _run_trial,
+        base=cfg.model_dump(mode="json"),
+        stage=space.stage,
+        refs=refs,
+        ray_dir=str(exp_dir / "trials"),
+        options=RunOptions(log_level=(options or RunOptions()).log_level),
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     if resume and tune.Tuner.can_restore(str(exp_dir / "tune")):

@@ -73,8 +73,8 @@ def test_fp16_has_a_cuda_grad_scaler_and_bf16_autocasts_without_one():
 
 
 def _run(tmp_path, overrides):
+    from cascade_ray.api import run_pipeline
     from cascade_ray.checks import load_config
-    from cascade_ray.pipeline.driver import run_pipeline
 
     lines: list[str] = []
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", *overrides])

@@ -12,17 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 from paths import CONFIGS
 
+from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
 from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
-from cascade_ray.pipeline.driver import run_pipeline
 from cascade_ray.pipeline.features import compute_features, upstream_outputs
 
 
 def _run(storage: Path, overrides: list[str] = (), **kwargs):
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}", *overrides])
     lines: list[str] = []
-    summary = run_pipeline(cfg, log=lines.append, **kwargs)
+    summary = run_pipeline(cfg, RunOptions(**kwargs), log=lines.append)
     return cfg, summary, lines
 
 

@@ -11,27 +11,21 @@ import numpy as np
 import pytest
 from paths import CONFIGS
 
+from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
 from cascade_ray.errors import FrozenDriftError, ResourceError
 from cascade_ray.pipeline.artifacts import read_artifact
-from cascade_ray.pipeline.driver import run_pipeline
 
 
 @pytest.fixture(scope="module")
 def debug_run(ray_session, tmp_path_factory):
     """The debug pipeline, with `--profile encoder`; the driver's stdout (the progress display,
     no TTY) is kept in {storage}/driver_stdout.txt."""
-    from cascade_ray.stage.profiler import request_profile
-
     storage = tmp_path_factory.mktemp("runs")
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}"])
     out = io.StringIO()
-    request_profile({"encoder"})
-    try:
-        with contextlib.redirect_stdout(out):
-            summary = run_pipeline(cfg, log=lambda _: None)
-    finally:
-        request_profile(None)
+    with contextlib.redirect_stdout(out):
+        summary = run_pipeline(cfg, RunOptions(profile={"encoder"}), log=lambda _: None)
     (storage / "driver_stdout.txt").write_text(out.getvalue())
     return cfg, summary
 
@@ -104,7 +98,7 @@ def test_frozen_drift_in_a_worker_is_an_error_in_the_driver(ray_session, tmp_pat
 
 def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
     cfg, first = debug_run
-    again = run_pipeline(cfg, resume=True, log=lambda _: None)
+    again = run_pipeline(cfg, RunOptions(resume=True), log=lambda _: None)
     assert [s["status"] for s in again["stages"]] == ["reused"] * 3
     assert again["test_accuracy"] == first["test_accuracy"]
 
@@ -116,7 +110,7 @@ def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
     changed = load_config(
         CONFIGS / "debug.yaml", [f"storage_path={storage}", "stages[2].solver.lr=5e-3"]
     )  # downstream only
-    rerun = run_pipeline(changed, resume=True, log=lambda _: None)
+    rerun = run_pipeline(changed, RunOptions(resume=True), log=lambda _: None)
     assert [s["status"] for s in rerun["stages"]] == ["reused", "reused", "trained"]
     assert rerun["stages"][2]["fingerprint"] != first["stages"][2]["fingerprint"]
 
@@ -161,7 +155,7 @@ def test_a_crashed_worker_resumes_from_its_checkpoint_bit_identically(debug_run,
     # step 40 is in epoch 2 of features (36 steps per epoch): the restart redoes epoch 2
     monkeypatch.setenv(FAULT_ONCE_ENV, f"features:40:{marker}")
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", "stages.features.max_failures=1"])
-    summary = run_pipeline(cfg, stop_after="features", log=lambda _: None)
+    summary = run_pipeline(cfg, RunOptions(stop_after="features"), log=lambda _: None)
     assert marker.read_text().startswith("killed at step 40"), "the fault was injected"
     record = summary["stages"][0]
     assert record["metrics"]["step"] == 72 and [m["epoch"] for m in record["history"]] == [1, 2]

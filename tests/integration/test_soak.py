@@ -12,8 +12,8 @@ import time
 
 from paths import CONFIGS
 
+from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
-from cascade_ray.pipeline.driver import run_pipeline
 
 SHORT = [f"stages[{i}].train.max_steps=3" for i in range(3)] + [f"stages[{i}].train.epochs=1" for i in range(3)]
 SPACE = """
@@ -67,7 +67,7 @@ def test_five_pipelines_and_a_16_trial_sweep_leave_nothing_behind(ray_session, t
     space = tmp_path / "classifier.yaml"
     space.write_text(SPACE)
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", "name=soak-sweep", *SHORT])
-    swept = run_pipeline(cfg, spaces={"classifier": str(space)}, log=lambda _: None)
+    swept = run_pipeline(cfg, RunOptions(spaces=(("classifier", str(space)),)), log=lambda _: None)
     assert swept["stages"][2]["sweep"]["trials"] == 16
     del swept
     final = _snapshot()

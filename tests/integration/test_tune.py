@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from paths import CONFIGS, ROOT
 
+from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
 from cascade_ray.config.yaml_io import read_yaml
 from cascade_ray.errors import ConfigError
-from cascade_ray.pipeline.driver import run_pipeline
 from cascade_ray.tune.space import load_space
 from cascade_ray.tune.sweep import INPUTS_FILE
 
@@ -34,7 +34,7 @@ def sweep(ray_session, tmp_path_factory):
     space = tmp / "encoder.yaml"
     space.write_text(SPACE)
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp}", "stages.encoder.scaling.num_workers=1"])
-    summary = run_pipeline(cfg, spaces={"encoder": str(space)}, stop_after="encoder", log=lambda _: None)
+    summary = run_pipeline(cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lambda _: None)
     return cfg, summary, tmp
 
 
@@ -73,7 +73,7 @@ def test_best_override_reproduces_the_best_trial(sweep):
     again = load_config(
         CONFIGS / "debug.yaml", [f"storage_path={tmp}", "stages.encoder.scaling.num_workers=1", *overrides]
     )
-    rerun = run_pipeline(again, resume=True, stop_after="encoder", log=lambda _: None)
+    rerun = run_pipeline(again, RunOptions(resume=True, stop_after="encoder"), log=lambda _: None)
     assert rerun["stages"][0]["status"] == "reused"
     # same upstream, config and seed on CPU: measured identical; allow 2 validation samples of noise
     assert rerun["stages"][1]["metrics"]["val_accuracy"] == pytest.approx(

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "cascade_ray.errors",
             "cascade_ray.constants",
             "cascade_ray.text",
+            "cascade_ray.options",
             "cascade_ray.ray_compat",
             "cascade_ray.logs",
         ),
@@ -40,10 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 # (importer, imported): why this upward or cyclic import is allowed. Keep it short.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("cascade_ray.pipeline.driver", "cascade_ray.tune.space"): "until the sweep runner is injected",
-    ("cascade_ray.pipeline.driver", "cascade_ray.tune.run"): "until the sweep runner is injected",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -9,10 +10,11 @@ import pytest
 from paths import CONFIGS
 
 from cascade_ray.checks import load_config
-from cascade_ray.constants import LOG_LEVEL_ENV
 from cascade_ray.errors import ConfigError
-from cascade_ray.logs import keep_lines, log_level, set_log_level, train_logging_config
-from cascade_ray.stage.profiler import check_profile_stages, request_profile, trace_path_for
+from cascade_ray.logs import apply_log_level, keep_lines, train_logging_config
+from cascade_ray.options import RunOptions
+from cascade_ray.stage.observe import observer_config
+from cascade_ray.stage.profiler import check_profile_stages, trace_path_for
 
 
 def _batch(lines, actor="RayTrainWorker", is_err=False):
@@ -62,20 +64,32 @@ def test_info_hides_ray_chatter_and_keeps_errors_and_our_lines():
 
 
 def test_log_level_reaches_ray_loggers_and_rejects_unknown_levels(monkeypatch):
-    monkeypatch.setenv(LOG_LEVEL_ENV, "info")  # set_log_level writes os.environ: restored after the test
-    monkeypatch.delenv(LOG_LEVEL_ENV)
     ray_logger = logging.getLogger("ray")
     monkeypatch.setattr(ray_logger, "level", ray_logger.level)  # restored after the test
-    assert log_level() == "info" and train_logging_config().log_level == "ERROR"
-    set_log_level("debug")
-    assert log_level() == "debug" and ray_logger.level == logging.DEBUG and train_logging_config().log_level == "DEBUG"
-    set_log_level("warning")
+    assert train_logging_config("info").log_level == "ERROR"
+    apply_log_level("debug")
+    assert ray_logger.level == logging.DEBUG and train_logging_config("debug").log_level == "DEBUG"
+    apply_log_level("warning")
     assert ray_logger.level == logging.ERROR
     with pytest.raises(ConfigError, match="(?s)--log-level.*'verbose'.*debug, info, warning"):
-        set_log_level("verbose")
-    monkeypatch.setenv(LOG_LEVEL_ENV, "loud")
-    with pytest.raises(ConfigError, match=LOG_LEVEL_ENV):
-        log_level()
+        RunOptions(log_level="verbose")
+
+
+def test_run_options_are_frozen_and_reach_the_workers_loop_config(tmp_path):
+    """The observing keys of a worker's loop config come from the options passed in, nothing else."""
+    cfg = load_config(CONFIGS / "debug.yaml")
+    options = RunOptions(log_level="warning", profile={"encoder"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.log_level = "debug"  # type: ignore[misc]
+    keys = observer_config(cfg, 1, tmp_path, options, board=None)
+    assert keys == {
+        "progress": [],
+        "log_level": "warning",
+        "profile": str(tmp_path / "profile" / "encoder.trace.json"),
+    }
+    assert observer_config(cfg, 0, tmp_path, options, board="handle")["profile"] == ""
+    assert observer_config(cfg, 0, tmp_path, RunOptions(), board="handle")["progress"] == ["handle"]
+    assert not RunOptions(log_level="warning").show_progress and RunOptions().show_progress
 
 
 def test_profile_stage_names_are_checked_with_a_suggestion(tmp_path):
@@ -84,13 +98,11 @@ def test_profile_stage_names_are_checked_with_a_suggestion(tmp_path):
     assert check_profile_stages(cfg, "encoder,classifier") == {"encoder", "classifier"}
     with pytest.raises(ConfigError, match="(?s)--profile.*'encodr'.*did you mean 'encoder'"):
         check_profile_stages(cfg, "encodr")
-    request_profile({"encoder"})
-    try:
-        assert trace_path_for("encoder", tmp_path) == str(tmp_path / "profile" / "encoder.trace.json")
-        assert trace_path_for("features", tmp_path) == ""
-    finally:
-        request_profile(None)
-    assert trace_path_for("encoder", tmp_path) == ""
+    assert trace_path_for("encoder", tmp_path, frozenset({"encoder"})) == str(
+        tmp_path / "profile" / "encoder.trace.json"
+    )
+    assert trace_path_for("features", tmp_path, frozenset({"encoder"})) == ""
+    assert trace_path_for("encoder", tmp_path, frozenset()) == ""
 
 
 def test_diagnose_profile_writes_a_chrome_trace_and_top_operators(digits, tmp_path):
@@ -118,21 +130,31 @@ def test_diagnose_profile_of_a_run_too_short_to_record_says_so(digits, tmp_path)
 
 def test_cli_run_flags_reach_the_driver(monkeypatch, tmp_path):
     """`run CONFIG --profile key=value`: the override stays an override, every stage is profiled."""
-    import cascade_ray.pipeline.driver as driver
-    import cascade_ray.stage.profiler as profiling
+    import cascade_ray.api as api
     from cascade_ray.cli import main
 
     seen = {}
-    monkeypatch.setattr(
-        driver, "run_pipeline", lambda cfg, **kw: seen.update(cfg=cfg, profiled=profiling._requested, level=log_level())
-    )
-    monkeypatch.setattr(profiling, "_requested", None)
-    monkeypatch.setenv(LOG_LEVEL_ENV, "info")  # restored after the test
+    monkeypatch.setattr(api.driver, "run_pipeline", lambda cfg, options, **kw: seen.update(cfg=cfg, options=options))
     monkeypatch.setattr(logging.getLogger("ray"), "level", logging.getLogger("ray").level)
     assert (
         main(["run", str(CONFIGS / "debug.yaml"), "--log-level", "warning", "--profile", f"storage_path={tmp_path}"])
         == 0
     )
-    assert seen == {"cfg": seen["cfg"], "profiled": {"features", "encoder", "classifier"}, "level": "warning"}
+    assert seen["options"] == RunOptions(log_level="warning", profile={"features", "encoder", "classifier"})
     assert seen["cfg"].storage_path == str(tmp_path)
     assert main(["run", str(CONFIGS / "debug.yaml"), "--profile", "encodr"]) == 2
+
+
+def test_the_pipeline_script_and_the_cli_share_their_run_flags():
+    """One definition of the run flags: the script's parser has every flag of `cascade-ray run`, plus --config."""
+    import runpy
+
+    from cascade_ray.cli import build_parser
+
+    script = runpy.run_path(str(CONFIGS.parent / "three_stage.py"), run_name="not_main")
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+
+    def flags(parser):
+        return {opt for action in parser._actions for opt in action.option_strings}
+
+    assert flags(script["build_parser"]()) == flags(run) | {"--config"}
