@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -34,8 +35,20 @@ def sweep(ray_session, tmp_path_factory):
     space = tmp / "encoder.yaml"
     space.write_text(SPACE)
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp}", "stages.encoder.scaling.num_workers=1"])
+    started = time.perf_counter()
     summary = run_pipeline(cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lambda _: None)
+    summary["test_elapsed_s"] = time.perf_counter() - started
     return cfg, summary, tmp
+
+
+def test_a_tuned_stage_records_the_wall_time_of_its_sweep(sweep):
+    """The record's wall_s is the whole sweep (4 trials, each a Train job), not the adoption afterwards."""
+    _, summary, _ = sweep
+    features, encoder = summary["stages"]
+    assert encoder["status"] == "tuned"
+    # 4 trials of seconds each; the adoption alone (read the best checkpoint, write the artifact) is well under 1 s
+    assert encoder["wall_s"] > 4.0
+    assert features["wall_s"] + encoder["wall_s"] <= summary["test_elapsed_s"]
 
 
 def test_sweep_table_is_sorted_and_complete(sweep):

@@ -1,0 +1,29 @@
+"""The Python API: run options become stage runners before any Ray resource starts."""
+
+from __future__ import annotations
+
+import pytest
+from paths import CONFIGS, ROOT
+
+from cascade_ray.api import RunOptions, load_config, stage_runners
+from cascade_ray.errors import ConfigError
+from cascade_ray.pipeline import driver
+from cascade_ray.tune.run import SweepRunner
+
+
+def test_spaces_become_sweep_runners_checked_against_the_config():
+    cfg = load_config(CONFIGS / "debug.yaml")
+    space = ROOT / "tune_spaces" / "encoder.yaml"
+    runners = stage_runners(cfg, RunOptions(spaces=(("encoder", str(space)),), resume=True))
+    assert set(runners) == {"encoder"}
+    runner = runners["encoder"]
+    assert isinstance(runner, SweepRunner) and runner.space.stage == "encoder" and runner.resume
+    with pytest.raises(ConfigError, match="sweeps stage 'encoder', asked for stage 'classifier'"):
+        stage_runners(cfg, RunOptions(spaces=(("classifier", str(space)),)))
+
+
+def test_the_driver_refuses_a_runner_for_a_stage_it_does_not_have(monkeypatch):
+    cfg = load_config(CONFIGS / "debug.yaml")
+    monkeypatch.setattr(driver, "load_data", lambda *a: pytest.fail("data loaded before the runners were checked"))
+    with pytest.raises(ConfigError, match="no stage 'encodr'"):
+        driver.run_pipeline(cfg, RunOptions(), runners={"encodr": lambda *a: None}, log=lambda _: None)
