@@ -20,6 +20,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -39,8 +40,9 @@ class PrivateSymbol:
     """One private Ray name the fence uses.
 
     ``attr`` is a dotted path inside ``module`` (``Class.method``, ``object.attribute``). With
-    ``instance=True`` its last part is an attribute Ray's ``__init__`` sets on each instance
-    (``Class.attribute``); it is checked in that ``__init__``'s source, not on the class.
+    ``instance=True`` its last part is an attribute the class's methods set on each instance
+    (``Class.attribute``, e.g. in ``__init__``); it is checked in the class's source
+    (``self.attribute``), not on the class.
     """
 
     module: str
@@ -117,8 +119,8 @@ def resolve(symbol: PrivateSymbol) -> Any:
     parts = symbol.attr.split(".")
     for part in parts[:-1] if symbol.instance else parts:
         obj = getattr(obj, part)
-    if symbol.instance and f"self.{parts[-1]}" not in inspect.getsource(obj.__init__):
-        raise AttributeError(f"{obj.__qualname__}.__init__ no longer sets self.{parts[-1]}")
+    if symbol.instance and not re.search(rf"\bself\.{parts[-1]}\b", inspect.getsource(obj)):
+        raise AttributeError(f"{obj.__qualname__} no longer has self.{parts[-1]}")
     return obj
 
 
