@@ -71,6 +71,7 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol(
         "ray._private.ray_logging", "WorkerStandardStreamDispatcher.handlers", "wrap_worker_output_printer", True
     ),
+    PrivateSymbol("ray._private.worker", "connect", "wrap_worker_output_printer"),  # registers _RAY_PRINTER
     # wait_for_tune_reports_taken
     PrivateSymbol("ray.train._internal.session", "get_session", "wait_for_tune_reports_taken"),
     PrivateSymbol("ray.train._internal.session", "_TrainSession.result_queue", "wait_for_tune_reports_taken", True),

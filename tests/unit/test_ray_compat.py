@@ -49,7 +49,7 @@ def _assert_one_warning(caplog, shim: str) -> None:
 
 
 def _break_module(monkeypatch, shim: str) -> None:
-    """Make the first private module `shim` imports unimportable (as if Ray had moved it)."""
+    """Make the first private module listed for `shim` unimportable (as if Ray had moved it)."""
     module = next(s.module for s in PRIVATE_SYMBOLS if s.shim == shim)
     monkeypatch.setitem(sys.modules, module, None)
 
@@ -75,6 +75,15 @@ def test_every_private_symbol_exists_in_the_installed_ray(symbol):
             f"{ray_compat.CHECKED_RAY_VERSION}): {type(exc).__name__}: {exc}"
         )
     assert ray_compat.missing_private_symbols([symbol]) == []
+
+
+def test_ray_registers_its_printer_under_the_name_the_filter_replaces():
+    import inspect
+
+    connect = ray_compat.resolve(next(s for s in PRIVATE_SYMBOLS if s.attr == "connect"))
+    assert f'"{ray_compat._RAY_PRINTER}"' in inspect.getsource(connect), (
+        f"Ray {ray.__version__} no longer registers its worker-output printer as {ray_compat._RAY_PRINTER!r}"
+    )
 
 
 def test_the_installed_ray_is_the_version_the_fence_was_checked_against():
@@ -222,7 +231,7 @@ def test_before_ray_init_the_autoscaler_reads_are_empty_without_a_warning(monkey
 @pytest.fixture
 def dispatcher(monkeypatch):
     """Ray's worker-output dispatcher with a stand-in for the printer ``ray.init`` registers."""
-    dispatcher = ray_compat.resolve(next(s for s in PRIVATE_SYMBOLS if s.shim == "wrap_worker_output_printer"))
+    dispatcher = ray_compat.resolve(next(s for s in PRIVATE_SYMBOLS if s.attr == "global_worker_stdstream_dispatcher"))
     printed: list[dict] = []
     monkeypatch.setattr(dispatcher, "handlers", [("other", lambda data: None), ("ray_print_logs", printed.append)])
     return dispatcher, printed
