@@ -12,13 +12,12 @@
 
 Knobs used (Ray 2.60): ``ray.init(logging_level=...)`` for the driver's ``ray`` logger,
 ``RunConfig(logging_config=LoggingConfig(log_level=...))`` for Ray Train's controller and
-worker loggers, and a filter in front of Ray's worker-output printer (a private hook: when
-it is missing, the output is shown unfiltered).
+worker loggers, and a filter in front of Ray's worker-output printer (a private hook, in
+``cascade_ray/ray_compat.py``: when it is missing, the output is shown unfiltered).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections.abc import Callable
@@ -100,29 +99,19 @@ def set_print_guard(guard: Callable[[], AbstractContextManager[Any]] | None) -> 
 def install_worker_filter(level: str) -> bool:
     """Put :func:`keep_lines` in front of Ray's printer of forwarded worker output (after ``ray.init``).
 
-    Returns False (output unfiltered) when this Ray does not have the private hook this uses.
+    Returns False (output unfiltered) with ``log_to_driver=False`` or when this Ray does not
+    have the private hook (:func:`cascade_ray.ray_compat.wrap_worker_output_printer`, which
+    then warns once).
     """
-    try:
-        from ray._private import worker as ray_worker
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    from cascade_ray.ray_compat import wrap_worker_output_printer  # imports Ray Train: not at module level
 
-        original = functools.partial(
-            ray_worker.print_to_stdstream,
-            ignore_prefix=ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker),
-        )
-        if not any(
-            name == "ray_print_logs" for name, _ in dispatcher.handlers
-        ):  # log_to_driver=False: nothing to filter
-            return False
-    except Exception:  # noqa: BLE001 - private API moved: show everything rather than guess
-        return False
+    def wrap(original: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        def handler(data: dict[str, Any]) -> None:
+            lines = keep_lines(data, level)
+            if lines:
+                with _print_guard():
+                    original({**data, "lines": lines})
 
-    def handler(data: dict[str, Any]) -> None:
-        lines = keep_lines(data, level)
-        if lines:
-            with _print_guard():
-                original({**data, "lines": lines})
+        return handler
 
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", handler)
-    return True
+    return wrap_worker_output_printer(wrap)

@@ -32,6 +32,7 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.outputs import write_run_outputs
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
+from cascade_ray.ray_compat import detected_cpus
 from cascade_ray.solver import step_count_issues
 from cascade_ray.stage.progress import ProgressSession
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
@@ -187,13 +188,7 @@ def _check_embedded_resources(cfg: PipelineConfig) -> None:
 
     Stages asking for custom resources are left to the check after ``ray.init``.
     """
-    try:
-        from ray._private.utils import get_num_cpus  # what an embedded Ray will detect (cgroup-aware)
-
-        cpus = float(get_num_cpus())
-    except Exception:  # noqa: BLE001 - private API; fall back to the OS count
-        cpus = float(os.cpu_count() or 1)
-    node = {"CPU": cpus, "GPU": float(torch.cuda.device_count())}
+    node = {"CPU": detected_cpus(), "GPU": float(torch.cuda.device_count())}
     if any(k not in node for s in cfg.stages for k in (s.scaling.resources_per_worker or {})):
         return
     check_resources(cfg, Cluster((node,)))

@@ -19,6 +19,7 @@ from cascade_ray.errors import CascadeError, ResourceError
 from cascade_ray.logs import train_logging_config
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.trainer import StageTrainer
+from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status
 from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
 from cascade_ray.storage import StorageDir
@@ -117,13 +118,8 @@ def cluster_view() -> Cluster:
 
 
 def _autoscaler_running() -> bool:
-    try:  # private API, like _autoscaler_groups; unknown means "no autoscaler" (strict checks)
-        from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
-        from ray.experimental.internal_kv import _internal_kv_get
-
-        return autoscaler_in_status(_internal_kv_get(DEBUG_AUTOSCALING_STATUS))
-    except Exception:  # noqa: BLE001
-        return False
+    # a private Ray read (ray_compat); unknown means "no autoscaler" (strict checks)
+    return autoscaler_in_status(autoscaling_status())
 
 
 def autoscaler_in_status(raw: bytes | str | None) -> bool:
@@ -142,15 +138,8 @@ def autoscaler_in_status(raw: bytes | str | None) -> bool:
 
 
 def _autoscaler_groups() -> tuple[tuple[dict[str, float], int], ...]:
-    try:  # private API (what Ray Train's worker-group check reads); absent -> alive nodes only
-        from ray._private.state import state
-
-        config = state.get_cluster_config()
-    except Exception:  # noqa: BLE001
-        return ()
-    if config is None:
-        return ()
-    return tuple((dict(g.resources), int(g.max_count)) for g in config.node_group_configs)
+    # a private Ray read (ray_compat: what Ray Train's worker-group check reads); absent -> alive nodes only
+    return autoscaler_node_groups()
 
 
 def resolve_use_gpu(stage: StageConfig, cluster: Cluster) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import fit_stage, worker_resources
+from cascade_ray.ray_compat import uncount_asha_stop, wait_for_tune_reports_taken
 from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
 
 TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
@@ -117,22 +117,15 @@ def _drain_tune_reports(timeout_s: float = 60.0) -> None:
     """Wait until Tune has taken this trial's last forwarded report before the trial returns.
 
     In Ray 2.60 a trial function that returns while TuneReportCallback's last report still
-    sits in the session's inter-actor queue deadlocks the trial actor (its main thread blocks
-    putting that report into a result queue the finished function already filled), and the
-    sweep waits forever. Seen in a 16-trial sweep on 2 CPUs.
+    sits in the session's queues deadlocks the trial actor (its main thread blocks putting
+    that report into a result queue the finished function already filled), and the sweep
+    waits forever. Seen in a 16-trial sweep on 2 CPUs. The session's queues are Ray
+    internals: :func:`cascade_ray.ray_compat.wait_for_tune_reports_taken`.
     """
-    from ray.train._internal.session import get_session
-
-    session = get_session()
-    queue = getattr(session, "_inter_actor_queue", None)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and (
-        (queue is not None and not queue.empty()) or not session.result_queue.empty()
-    ):
-        time.sleep(0.05)
+    wait_for_tune_reports_taken(timeout_s)
 
 
-def baseline_asha(baseline: dict[str, Any] | None, **kwargs: Any) -> Any:
+def baseline_asha(baseline: dict[str, Any] | None, *, time_attr: str, max_t: int, **kwargs: Any) -> Any:
     """An ASHA scheduler that never stops the trial running `baseline` (the stage's current values) early.
 
     ASHA compares trials at early rungs; a config that starts slower but ends better (a
@@ -145,19 +138,15 @@ def baseline_asha(baseline: dict[str, Any] | None, **kwargs: Any) -> Any:
     class BaselineASHA(AsyncHyperBandScheduler):
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
             action = super().on_trial_result(tune_controller, trial, result)
-            if (
-                action == TrialScheduler.STOP
-                and is_baseline(trial.config)
-                and result.get(self._time_attr, 0) < self._max_t
-            ):
-                self._num_stopped -= 1
+            if action == TrialScheduler.STOP and is_baseline(trial.config) and result.get(time_attr, 0) < max_t:
+                uncount_asha_stop(self)  # ASHA counted the STOP it returned
                 return TrialScheduler.CONTINUE
             return action
 
     def is_baseline(config: dict[str, Any]) -> bool:
         return baseline is not None and all(config.get(k) == v for k, v in baseline.items())
 
-    return BaselineASHA(**kwargs)
+    return BaselineASHA(time_attr=time_attr, max_t=max_t, **kwargs)
 
 
 def search_algorithm(
