@@ -25,9 +25,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hardware_header
-
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "pipelines" / "configs" / "three_stage.yaml"
 
@@ -87,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile (fp32 and bf16, channels_last)")
     args = parser.parse_args(argv)
-    print(hardware_header(), flush=True)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     torch.set_num_threads(args.threads)
 
     from cascade_ray.config import load_config

@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both loops")
     args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     torch.set_num_threads(args.threads)
 
     from cascade_ray.config import load_config

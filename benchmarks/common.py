@@ -17,10 +17,3 @@ class ListReporter:
 
     def report(self, metrics, state, trainer=None):
         self.reports.append(dict(metrics))
-
-
-def hardware_header() -> str:
-    """The first line every benchmark prints: CPU model, get_cpu_capability(), bf16 verdict, GPU name."""
-    from cascade_ray.hardware import hardware_line
-
-    return hardware_line()
