@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-sweep", action="store_true", help="only the in-process epoch times")
     parser.add_argument("--skip-epochs", action="store_true", help="only the sweep")
     args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     if not args.skip_epochs:
         epoch_times(args.repeats)
     if not args.skip_sweep:

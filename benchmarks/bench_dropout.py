@@ -44,6 +44,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="alternating blocks of 50 calls per module")
     args = parser.parse_args()
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(

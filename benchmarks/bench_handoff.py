@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         help="where checkpoint directories go (default: a temp dir under $TMPDIR or /tmp)",
     )
     args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
 
     os.environ.pop("RAY_ADDRESS", None)  # an embedded Ray of our own, never someone else's cluster
     import ray

@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--epochs", type=int, default=4)
     args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     torch.set_num_threads(1)
 
     from cascade_ray.checks import load_config

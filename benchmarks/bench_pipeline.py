@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         help="freeze.cache_features of every stage after the first (default off: the P2 target)",
     )
     args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
 
     os.environ.pop("RAY_ADDRESS", None)
     import ray

@@ -68,6 +68,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=4, help="timed fits of each trainer (alternating)")
     parser.add_argument("--workers", type=int, default=1, help="workers per fit (2 CPUs shared among them)")
     args = parser.parse_args()
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
 
     import ray
     from ray.train.torch import TorchTrainer

@@ -115,12 +115,17 @@ def run_baseline(cfg, data) -> _Clock:
 
     stage = cfg.stages[INDEX]
     train, solver, aug = stage.train, stage.solver, stage.train.augment
-    amp = (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if solver.precision == "bf16" else contextlib.nullcontext
-    )
+    from cascade_ray.hardware import detect_hardware
+    from cascade_ray.solver.precision import choose_memory_format, resolve_precision
+
+    hw = detect_hardware("cpu")
+    precision = resolve_precision(solver.precision, hw).resolved  # what run_stage makes of precision auto here
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
     clock = _Clock()
     w0, c0 = time.perf_counter(), time.process_time()
     model, _ = build_stage_model(cfg, INDEX, data, None)  # seeds torch like run_stage does
+    if choose_memory_format(stage, hw, precision, model)[0] == "channels_last":  # as run_stage decides it
+        model.to(memory_format=torch.channels_last)
     head = stage.name
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -207,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both loops")
     args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     torch.set_num_threads(args.threads)
 
     from cascade_ray.checks import load_config

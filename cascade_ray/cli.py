@@ -238,6 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_tool(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
+            from cascade_ray.errors import ConfigError
+            from cascade_ray.solver.precision import precision_config_issues
+
+            errors, warnings = precision_config_issues(cfg)  # against this machine's CPU
+            for issue in warnings:
+                print(f"warning: {issue.render()}")
+            if errors:
+                raise ConfigError(errors, source=str(args.config))
             print(f"{args.config}: OK ({len(cfg.stages)} stages: {', '.join(s.name for s in cfg.stages)})")
             return 0
         if args.command == "submit":

@@ -267,13 +267,19 @@ class SolverConfig(_Strict):
         "and DDP syncs gradients only on a window's last micro-batch.",
     )
     grad_clip: GradClipConfig = Field(default_factory=GradClipConfig, description="Gradient clipping.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32",
-        description="Autocast precision of forward and loss: `bf16` (CPU and Ampere+ GPUs, no scaler) or "
-        "`fp16` (CUDA only, with a GradScaler; a skipped step does not advance the scheduler).",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="Autocast precision of forward and loss. `auto`: decided on the worker's device by what it "
+        "runs natively (printed per stage, kept in the stage record and manifest): bf16 on GPUs of compute "
+        "capability 8.0+ and on CPUs with AVX512-BF16 or AMX, fp16 with a GradScaler on older GPUs, fp32 "
+        "otherwise (e.g. an AVX2 CPU, where bf16 is emulated and several times slower). `fp32`; `bf16` (no "
+        "scaler; on hardware that emulates it see health.emulated_bf16); `fp16` (CUDA only, with a GradScaler; "
+        "a skipped step does not advance the scheduler).",
     )
     scaler: ScalerConfig | None = Field(
-        None, description="precision fp16 only: loss-scaler settings; null uses the defaults."
+        None,
+        description="precision fp16 (or auto resolving to fp16 on a GPU) only: loss-scaler settings; null uses "
+        "the defaults.",
     )
 
 
@@ -385,6 +391,18 @@ class ScaleCollapseRule(_Strict):
     )
 
 
+class EmulatedBf16Rule(_Strict):
+    """Explicit ``solver.precision: bf16`` on hardware that emulates bf16 (an AVX2 CPU, a GPU before Ampere)."""
+
+    policy: Policy = Field(
+        "warn",
+        description="Checked when the config is validated (`cascade-ray validate`, the driver before Ray starts: "
+        "against the local CPU, for stages that will run on CPU) and again in the stage on the worker's device. "
+        + _POLICY
+        + " `error` is a ConfigError at validate time.",
+    )
+
+
 class HealthConfig(_Strict):
     """Runtime health rules of a stage; each fires with its policy and names the config key to fix."""
 
@@ -416,6 +434,11 @@ class HealthConfig(_Strict):
         default_factory=HealthRule,
         description="A frozen module in train mode at an epoch start, or a frozen parameter/buffer changed "
         "during an epoch.",
+    )
+    emulated_bf16: EmulatedBf16Rule = Field(
+        default_factory=EmulatedBf16Rule,
+        description="`solver.precision: bf16` set explicitly where bf16 is emulated, with the slowdown a probe "
+        "measured there (`precision: auto` picks fp32 on such hardware instead).",
     )
 
 
@@ -494,6 +517,19 @@ class StageConfig(_Strict):
         description="Worker-group restarts Ray Train may do for this stage after a worker crash (-1: "
         "unlimited); each restart resumes from the latest checkpoint with optimizer, schedule, scaler, "
         "RNG and step counters.",
+    )
+    memory_format: Literal["auto", "channels_last", "contiguous"] = Field(
+        "auto",
+        description="Memory format of a stage whose model has 2-D convolutions (parameters and input batches). "
+        "`auto`: channels_last where benchmarks/bench_precision.py measured it faster for the device type, "
+        "capability and resolved precision (the table in cascade_ray/solver/precision.py), else contiguous; "
+        "stages without convolutions stay contiguous. Recorded in the stage record.",
+    )
+    compile: bool = Field(
+        False,
+        description="Wrap the stage's own module in torch.compile (in place, so weights and checkpoints keep "
+        "their names). The compile time is reported in the stage record; where the backend is unavailable "
+        "(e.g. no C++ compiler for inductor on CPU) the stage says so and trains eagerly.",
     )
     head: HeadConfig = Field(default_factory=HeadConfig, description="The stage's head.")
     loss: LossConfig = Field(default_factory=LossConfig, description="The stage's loss.")

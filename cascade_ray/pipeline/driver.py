@@ -34,6 +34,7 @@ from cascade_ray.pipeline.outputs import write_run_outputs
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
 from cascade_ray.ray_compat import detected_cpus
 from cascade_ray.solver import step_count_issues
+from cascade_ray.solver.precision import precision_config_issues
 from cascade_ray.stage.progress import ProgressSession
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
 
@@ -75,6 +76,8 @@ def run_pipeline(
     require_plans(cfg, data.image_shape, data.num_classes)
     # schedule lengths vs the real optimizer steps need the training-set size
     errors, warnings = step_count_issues(cfg, len(data.y_train))
+    bf16_errors, bf16_warnings = precision_config_issues(cfg)  # explicit bf16 on this CPU if it emulates it
+    errors, warnings = errors + bf16_errors, warnings + bf16_warnings
     for issue in warnings:
         log(f"warning: {issue.render()}")
     if errors:

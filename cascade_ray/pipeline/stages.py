@@ -73,6 +73,10 @@ def stage_accounting(
     return trainable, list(plan.frozen_keys), sum(p.numel() for p in model.parameters()) - trainable
 
 
+# Stage-record and manifest entries the worker decides on its device (StageOutcome fields).
+DEVICE_KEYS = ("precision", "memory_format", "compile")
+
+
 def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str) -> str:
     """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version."""
     stage = cfg.stages[index].model_dump(mode="json")
@@ -196,6 +200,8 @@ class StageSession:
             "frozen_params": frozen_params,
             "fingerprint": fp,
             "ray_run": run_name,
+            # what the worker's device made of precision auto / memory format / compile
+            **{k: outcome.get(k) for k in DEVICE_KEYS},
         }
         if (cache := self.cache_of(index)) is not None:
             record["feature_cache"] = cache.record()
@@ -205,7 +211,15 @@ class StageSession:
             {
                 **{
                     k: record[k]
-                    for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")
+                    for k in (
+                        "metrics",
+                        "history",
+                        "num_workers",
+                        "trainable_params",
+                        "frozen_params",
+                        "ray_run",
+                        *DEVICE_KEYS,
+                    )
                 },
                 "stage": stage.name,
                 "index": index,
@@ -247,5 +261,6 @@ class StageSession:
                 k: manifest[k]
                 for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")
             },
+            **{k: manifest.get(k) for k in DEVICE_KEYS},  # absent in artifacts written before they were recorded
         }
         return record, Handoff(state, ray.put(state), fp)

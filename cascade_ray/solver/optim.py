@@ -85,12 +85,12 @@ def solver_issues(solver: SolverConfig, path: str) -> list[ConfigIssue]:
     issues = scheduler_issues(solver.lr_scheduler, f"{path}.lr_scheduler") + clip_issues(
         solver.grad_clip, f"{path}.grad_clip"
     )
-    if solver.scaler is not None and solver.precision != "fp16":
+    if solver.scaler is not None and solver.precision not in ("fp16", "auto"):
         issues.append(
             ConfigIssue(
                 f"{path}.scaler",
-                f"the loss scaler is only used with precision fp16 (precision is {solver.precision!r})",
-                f"remove {path}.scaler, or set {path}.precision: fp16",
+                f"the loss scaler is only used with precision fp16, or auto where it resolves to fp16 (precision is {solver.precision!r})",
+                f"remove {path}.scaler, or set {path}.precision: fp16 or auto",
             )
         )
     for j, group in enumerate(solver.param_groups):

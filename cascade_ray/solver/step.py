@@ -1,7 +1,8 @@
 """What surrounds one optimizer step: autocast, fp16 loss scaling, clipping, skip detection.
 
-fp16 needs CUDA (a config error otherwise, suggesting bf16); bf16 runs under
-``torch.autocast`` on CPU and on Ampere+ GPUs without a scaler. Under fp16 a step whose
+``auto`` is resolved on the stage's device (:mod:`cascade_ray.solver.precision`). fp16 needs
+CUDA (a config error otherwise, suggesting bf16); bf16 runs under ``torch.autocast`` on CPU
+and on Ampere+ GPUs without a scaler. Under fp16 a step whose
 gradients overflowed is skipped by the GradScaler; :meth:`Precision.step` reports it so
 the loop does not advance the lr schedule for it.
 """
@@ -18,6 +19,8 @@ import torch
 
 from cascade_ray.config.schema import GradClipConfig, ScalerConfig, SolverConfig, StageConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.hardware import Hardware, detect_hardware
+from cascade_ray.solver.precision import PrecisionChoice, resolve_precision
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A factory for the fp16 scaler (tests pass a CPU GradScaler to simulate fp16 without a GPU).
@@ -33,12 +36,14 @@ class Precision:
         device_type: the autocast device type (``cpu``, ``cuda``).
         dtype: the autocast dtype, None for fp32.
         scaler: a ``torch.amp.GradScaler`` under fp16, else None.
+        choice: how ``solver.precision`` was resolved on this device (None when built directly).
     """
 
     name: str
     device_type: str
     dtype: torch.dtype | None
     scaler: Any | None = None
+    choice: PrecisionChoice | None = None
     last_scale: float = math.nan  # the fp16 scale after the last step (read once per step, in step())
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -85,7 +90,11 @@ def precision_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
 
 
 def build_precision(
-    solver: SolverConfig, device: torch.device, path: str, make_scaler: ScalerFactory | None = None
+    solver: SolverConfig,
+    device: torch.device,
+    path: str,
+    make_scaler: ScalerFactory | None = None,
+    hardware: Hardware | None = None,
 ) -> Precision:
     """The :class:`Precision` of a solver section on `device`.
 
@@ -95,11 +104,14 @@ def build_precision(
         path: the solver's key path, for errors.
         make_scaler: stands in for the CUDA GradScaler under fp16 (simulations and tests);
             when given, fp16 is allowed off CUDA.
+        hardware: what `device` runs natively (``precision: auto``); default detected
+            (:func:`cascade_ray.hardware.detect_hardware`); tests inject one.
 
     Raises:
         ConfigError: fp16 off CUDA, or bf16 on a GPU without bf16 support.
     """
-    name = solver.precision
+    choice = resolve_precision(solver.precision, hardware if hardware is not None else detect_hardware(device))
+    name = choice.resolved
     if name == "fp16":
         if make_scaler is None and device.type != "cuda":
             raise ConfigError(
@@ -117,8 +129,8 @@ def build_precision(
             if make_scaler is not None
             else torch.amp.GradScaler("cuda", init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
         )
-        return Precision(name, device.type, torch.float16, scaler)
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return Precision(name, device.type, torch.float16, scaler, choice)
+    if name == "bf16" and device.type == "cuda" and hardware is None and not torch.cuda.is_bf16_supported():
         raise ConfigError(
             [
                 ConfigIssue(
@@ -128,7 +140,7 @@ def build_precision(
                 )
             ]
         )
-    return Precision(name, device.type, _DTYPES[name])
+    return Precision(name, device.type, _DTYPES[name], choice=choice)
 
 
 def clip_gradients(params: Sequence[torch.nn.Parameter], clip: GradClipConfig) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
 from cascade_ray.errors import ConfigError
+from cascade_ray.hardware import Hardware, detect_hardware
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
 from cascade_ray.models.freeze import TrainablePlan, apply_freeze, frozen_digest, plan_trainable
 from cascade_ray.models.plan import require_plans
@@ -38,6 +39,13 @@ from cascade_ray.solver import (
     clip_gradients,
     stage_step_issues,
     total_optimizer_steps,
+)
+from cascade_ray.solver.precision import (
+    CompileState,
+    choose_memory_format,
+    compile_stage,
+    emulated_bf16_detail,
+    probe_slowdown,
 )
 from cascade_ray.stage.hooks import LoopHooks, LoopState
 from cascade_ray.stage.monitor import HealthMonitor
@@ -71,6 +79,9 @@ class StageOutcome:
     history: list[dict[str, float]]
     health_warnings: int = 0
     skipped_steps: int = 0
+    precision: dict[str, Any] | None = None  # PrecisionChoice.record(): requested, resolved, reason, hardware
+    memory_format: str = "contiguous"
+    compile: dict[str, Any] | None = None  # CompileState.record(), when stages[i].compile is true
 
 
 def stage_seed(cfg: PipelineConfig, index: int) -> int:
@@ -118,6 +129,7 @@ def run_stage(
     hooks: LoopHooks | None = None,
     resume: Mapping[str, Any] | None = None,
     features: Mapping[str, np.ndarray] | None = None,
+    hardware: Hardware | None = None,
 ) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
@@ -135,6 +147,7 @@ def run_stage(
         features: ``{"x_train", "x_val"}``: the frozen upstream's outputs for every sample
             (:mod:`cascade_ray.pipeline.features`); the model then starts at this stage's own
             adapter/module and the upstream is not run.
+        hardware: what `device` runs natively (precision auto, memory format); default detected.
 
     Raises:
         ConfigError: a schedule length or the precision does not fit this run.
@@ -148,6 +161,17 @@ def run_stage(
     # the model with its frozen upstream, and the solver over what this stage trains
     model, plan = build_stage_model(cfg, index, data, upstream)
     model.to(device)
+    hw = hardware if hardware is not None else detect_hardware(device)
+    precision = build_precision(solver, device, f"{path}.solver", hooks.make_scaler, hw)
+    memory_format, format_why = choose_memory_format(stage, hw, precision.name, model)
+    if memory_format == "channels_last":
+        model.to(memory_format=torch.channels_last)  # in place: the same Parameter objects
+    compiled = _compile(model, stage, path, device) if stage.compile else None
+    if reporter.rank == 0:
+        assert precision.choice is not None
+        print(f"{precision.choice.line(stage.name)}; memory format {memory_format} ({format_why})", flush=True)
+        if compiled is not None and compiled.status == "eager":
+            print(f"WARNING {compiled.message}", flush=True)
     digest = frozen_digest(model, plan)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     log_vars = (
@@ -159,7 +183,6 @@ def run_stage(
     optimizer = build_optimizer(build_param_groups(named, solver, f"{path}.solver", stage.name), solver)
     total_steps = total_optimizer_steps(stage, len(data.y_train), reporter.world)
     scheduler = build_scheduler(optimizer, solver.lr_scheduler, total_steps)
-    precision = build_precision(solver, device, f"{path}.solver", hooks.make_scaler)
     net = wrap(model) if wrap is not None else model
     monitor = HealthMonitor(
         stage, index, named, optimizer, scheduler, precision, model, plan, reporter.rank, reporter.all_sum
@@ -179,6 +202,8 @@ def run_stage(
         world=reporter.world,
         total_steps=total_steps,
     )
+    if precision.choice is not None and precision.choice.emulated and stage.health.emulated_bf16.policy != "off":
+        monitor.fire("emulated_bf16", 0, *emulated_bf16_detail(hw, path, probe_slowdown(hw)))
     hooks.on_setup(state)
 
     train_src, val_src = _sources(model, stage.name, data, features, device)
@@ -310,6 +335,8 @@ def run_stage(
         if stop:
             break
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if compiled is not None:
+        compiled.finish()
     return StageOutcome(
         trainable,
         sum(p.numel() for p in model.parameters()) - trainable,
@@ -319,7 +346,16 @@ def run_stage(
         history,
         monitor.warning_count,
         monitor.skipped,
+        precision.choice.record() if precision.choice is not None else None,
+        memory_format,
+        compiled.record() if compiled is not None else None,
     )
+
+
+def _compile(model: CascadeModel, stage: StageConfig, path: str, device: torch.device) -> CompileState:
+    """``stages[i].compile``: the stage's own module (every block for a joint stage), in place."""
+    modules = [model.blocks[stage.name]] if stage.name in model.blocks else list(model.blocks.values())
+    return compile_stage(modules, path, device)
 
 
 def _sources(

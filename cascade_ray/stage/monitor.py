@@ -213,8 +213,8 @@ class HealthMonitor:
         lr_key, lr = f"{self.path}.solver.lr", self.stage.solver.lr
         fix = (
             f"lower {lr_key} (now {lr:g}), enable {self.path}.solver.grad_clip, or check the inputs for NaN; "
-            f"with precision {self.stage.solver.precision} try fp32"
-            if self.stage.solver.precision != "fp32"
+            f"with precision {self.precision.name} try fp32"
+            if self.precision.name != "fp32"
             else f"lower {lr_key} (now {lr:g}), enable {self.path}.solver.grad_clip (max_norm: 1.0), or check the inputs for NaN"
         )
         if bad_loss_ranks > 0:

@@ -112,3 +112,19 @@ def test_two_gpu_workers_with_sync_batchnorm(tmp_path):
     assert "stage 'features': use_gpu auto -> GPU (NCCL) x 2 worker(s)" in lines
     features = next(r for r in summary["stages"] if r["name"] == "features")
     assert features["num_workers"] == 2 and features["status"] == "trained"
+
+
+def test_precision_auto_on_this_gpu_follows_its_compute_capability():
+    """The detected GPU, not an injected one: bf16 from compute capability 8.0, else fp16 with a scaler."""
+    from cascade_ray.checks import load_config
+    from cascade_ray.hardware import detect_hardware
+    from cascade_ray.solver import build_precision
+
+    cuda = torch.device("cuda")
+    hw = detect_hardware(cuda)
+    major, _ = torch.cuda.get_device_capability(cuda)
+    assert hw.kind == "cuda" and hw.native_bf16 is (major >= 8)
+    cfg = load_config(CONFIGS / "debug.yaml")
+    precision = build_precision(cfg.stages[0].solver, cuda, "stages[0].solver")
+    assert precision.choice.requested == "auto"
+    assert (precision.name, precision.scaler is None) == (("bf16", True) if major >= 8 else ("fp16", False))

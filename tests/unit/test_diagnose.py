@@ -10,10 +10,14 @@ from paths import CONFIGS
 from cascade_ray.checks import load_config
 from cascade_ray.cli import main as cli_main
 from cascade_ray.data.source import load_data
+from cascade_ray.hardware import detect_hardware
 from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.pipeline.artifacts import write_artifact
+from cascade_ray.solver.precision import resolve_precision
 from cascade_ray.stage.loop import build_stage_model
 from cascade_ray.tools.diagnose import diagnose, format_report
+
+AUTO_ON_THIS_CPU = resolve_precision("auto", detect_hardware("cpu")).resolved
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -43,7 +47,8 @@ def test_cli_json_report_of_a_downstream_stage(capsys):
     assert report["schedule"]["workers"] == 2 and report["schedule"]["total_optimizer_steps"] == 36
     assert {r["module"] for r in report["gradients"]} >= {"heads.encoder.fc", "blocks.encoder.norm"}
     assert not any(r["module"].startswith("blocks.features") for r in report["gradients"])  # frozen: not in any group
-    assert report["precision"] == {"precision": "fp32", "loss_scale": None, "skipped_steps": 0}
+    # precision auto, resolved on this machine's CPU (fp32 on AVX2, bf16 where bf16 is native)
+    assert report["precision"] == {"precision": AUTO_ON_THIS_CPU, "loss_scale": None, "skipped_steps": 0}
     # like the pipeline, the encoder trains on the frozen features' cached outputs
     assert report["feature_cache"] == "on: trains on the upstream's 16x4x4 outputs, computed once"
 
@@ -61,7 +66,7 @@ def test_text_report_of_a_stalled_stage_exits_1(capsys):
         "lr plan on 1 worker(s): constant, 72 optimizer steps",
         "gradients after the first backward, per module:",
         "parameter updates over 12 step(s)",
-        "precision: fp32",
+        f"precision: {AUTO_ON_THIS_CPU}",
         "verdict: 1 alarm(s)",
     ):
         assert heading in out, heading

@@ -18,7 +18,16 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def trained_features(digits):
-    cfg = load_config(CONFIGS / "debug.yaml", ["stages.encoder.scaling.num_workers=1"])
+    # fp32 on every CPU kind (precision auto would be bf16 on AVX512-BF16): the cached-vs-raw
+    # comparison below is about fp32 rounding of batched vs per-step upstream passes
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            "stages.encoder.scaling.num_workers=1",
+            "stages.features.solver.precision=fp32",
+            "stages.encoder.solver.precision=fp32",
+        ],
+    )
     reporter = ListReporter()
     run_stage(cfg, 0, digits, None, reporter, CPU)
     return cfg, reporter.states[-1]

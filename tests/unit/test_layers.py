@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "cascade_ray.constants",
             "cascade_ray.text",
             "cascade_ray.options",
+            "cascade_ray.hardware",
             "cascade_ray.ray_compat",
             "cascade_ray.logs",
         ),

@@ -188,7 +188,11 @@ def test_param_groups_first_match_wins_no_decay_on_1d_and_frozen_never_included(
             "stages[0].solver.grad_clip.clip_value",
             "mode value needs clip_value",
         ),
-        ("stages[0].solver.scaler={init_scale: 1024.0}", "stages[0].solver.scaler", "only used with precision fp16"),
+        (
+            "stages[0].solver.precision=fp32|stages[0].solver.scaler={init_scale: 1024.0}",
+            "stages[0].solver.scaler",
+            "only used with precision fp16",
+        ),
         (
             "stages[0].solver.precision=fp16|stages[0].scaling.use_gpu=false",
             "stages[0].solver.precision",
