@@ -134,7 +134,7 @@ def _cached_inputs(
 
     from cascade_ray.data.batches import train_batches
     from cascade_ray.pipeline.features import cache_decision, upstream_outputs
-    from cascade_ray.stage.loop import build_stage_model, stage_seed
+    from cascade_ray.stage.setup import build_stage_model, stage_seed
 
     if index == 0:
         return upstream, None, "none (first stage)"

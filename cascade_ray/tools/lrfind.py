@@ -72,7 +72,7 @@ def lr_find(
     from cascade_ray.data.batches import ArraySource
     from cascade_ray.models.cascade import module_stage_names
     from cascade_ray.solver import build_optimizer, build_param_groups, build_precision, clip_gradients
-    from cascade_ray.stage.loop import build_stage_model, stage_loss, stage_seed
+    from cascade_ray.stage.setup import build_stage_model, stage_loss, stage_seed
 
     device = device or torch.device("cpu")
     stage, solver = cfg.stages[index], cfg.stages[index].solver

@@ -12,7 +12,7 @@ from cascade_ray.cli import main as cli_main
 from cascade_ray.data.source import load_data
 from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.pipeline.artifacts import write_artifact
-from cascade_ray.stage.loop import build_stage_model
+from cascade_ray.stage.setup import build_stage_model
 from cascade_ray.tools.diagnose import diagnose, format_report
 
 
