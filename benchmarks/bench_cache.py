@@ -52,7 +52,8 @@ def epoch_times(repeats: int) -> None:
     from cascade_ray.checks import load_config
     from cascade_ray.data.source import load_data
     from cascade_ray.pipeline.features import upstream_outputs
-    from cascade_ray.stage.loop import build_stage_model, run_stage
+    from cascade_ray.stage.loop import run_stage
+    from cascade_ray.stage.setup import build_stage_model
 
     cfg = load_config(CONFIG, ["stages.encoder.train.epochs=1", "stages.classifier.train.epochs=1"])
     data = load_data(cfg.data, cfg.seed)

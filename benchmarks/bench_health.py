@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from cascade_ray.checks import load_config
     from cascade_ray.data.source import load_data
     from cascade_ray.models.weights import to_numpy_state
-    from cascade_ray.stage.loop import build_stage_model
+    from cascade_ray.stage.setup import build_stage_model
 
     base_cfg = load_config(args.config)
     data = load_data(base_cfg.data, base_cfg.seed)

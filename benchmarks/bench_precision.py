@@ -30,7 +30,7 @@ DEFAULT_CONFIG = ROOT / "pipelines" / "configs" / "three_stage.yaml"
 
 
 def build(cfg, data, memory_format: torch.memory_format, compiled: bool):
-    from cascade_ray.stage.loop import build_stage_model
+    from cascade_ray.stage.setup import build_stage_model
 
     model, _ = build_stage_model(cfg, 0, data, None)
     model.train()

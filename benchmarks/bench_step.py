@@ -111,7 +111,7 @@ def run_candidate(cfg, data) -> _Clock:
 
 def run_baseline(cfg, data) -> _Clock:
     """The same training written as a plain PyTorch loop."""
-    from cascade_ray.stage.loop import build_stage_model, stage_seed
+    from cascade_ray.stage.setup import build_stage_model, stage_seed
 
     stage = cfg.stages[INDEX]
     train, solver, aug = stage.train, stage.solver, stage.train.augment

@@ -37,7 +37,7 @@ from cascade_ray.data.source import load_data
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import load_numpy_state
-from cascade_ray.stage.loop import build_stage_model, stage_seed
+from cascade_ray.stage.setup import build_stage_model, stage_seed
 
 WEIGHTS = "model.safetensors"
 

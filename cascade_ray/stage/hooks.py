@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from cascade_ray.stage.monitor import HealthMonitor
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopState:
-    """What the stage loop exposes to hooks, updated in place.
+    """What the stage loop exposes to hooks, updated in place (built with keywords only).
 
     Attributes:
         stage: the stage's config; index: its position.

@@ -18,38 +18,22 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
 from cascade_ray.errors import ConfigError
-from cascade_ray.hardware import Hardware, detect_hardware
-from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
-from cascade_ray.models.freeze import TrainablePlan, apply_freeze, frozen_digest, plan_trainable
-from cascade_ray.models.plan import require_plans
-from cascade_ray.models.weights import load_numpy_state, load_state_file
-from cascade_ray.solver import (
-    EarlyStopping,
-    build_optimizer,
-    build_param_groups,
-    build_precision,
-    build_scheduler,
-    clip_gradients,
-    stage_step_issues,
-    total_optimizer_steps,
-)
-from cascade_ray.solver.precision import (
-    CompileState,
-    choose_memory_format,
-    compile_stage,
-    emulated_bf16_detail,
-    probe_slowdown,
-)
+from cascade_ray.hardware import Hardware
+from cascade_ray.models.cascade import CascadeModel
+from cascade_ray.models.freeze import frozen_digest
+from cascade_ray.models.weights import load_numpy_state
+from cascade_ray.solver import EarlyStopping, clip_gradients, stage_step_issues
+from cascade_ray.solver.precision import emulated_bf16_detail, probe_slowdown
 from cascade_ray.stage.hooks import LoopHooks, LoopState
 from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.resume import restore_trainer_state, trainer_state
+from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 
 
 class Reporter(Protocol):
@@ -82,40 +66,6 @@ class StageOutcome:
     precision: dict[str, Any] | None = None  # PrecisionChoice.record(): requested, resolved, reason, hardware
     memory_format: str = "contiguous"
     compile: dict[str, Any] | None = None  # CompileState.record(), when stages[i].compile is true
-
-
-def stage_seed(cfg: PipelineConfig, index: int) -> int:
-    """Seed of stage `index`: distinct per stage, fixed by the pipeline seed."""
-    return cfg.seed * 1009 + index
-
-
-def build_stage_model(
-    cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None
-) -> tuple[CascadeModel, TrainablePlan]:
-    """The composed model for stage `index` with upstream weights loaded and frozen."""
-    plans = require_plans(cfg, data.image_shape, data.num_classes)
-    torch.manual_seed(stage_seed(cfg, index))
-    model = build_cascade(cfg, plans, data.num_classes, upto=index)
-    stage = cfg.stages[index]
-    if stage.pretrained is not None:
-        model.blocks[stage.name].load_state_dict(load_state_file(stage.pretrained))
-    if upstream is not None:
-        own = {k for k in model.state_dict() if k.split(".")[1] == stage.name}
-        missing, unexpected = _load_upstream(model, upstream)
-        if set(missing) != own or unexpected:
-            raise RuntimeError(
-                f"upstream weights do not fit stage {stage.name!r}: missing {sorted(set(missing) - own)[:5]}, unexpected {unexpected[:5]}"
-            )
-    plan = plan_trainable(model, cfg, index)
-    apply_freeze(model, plan)
-    return model, plan
-
-
-def _load_upstream(model: nn.Module, upstream: Mapping[str, np.ndarray]) -> tuple[list[str], list[str]]:
-    keys = set(model.state_dict())
-    load_numpy_state(model, {k: v for k, v in upstream.items() if k in keys}, strict=False)
-    missing = [k for k in keys if k not in upstream]
-    return missing, [k for k in upstream if k not in keys]
 
 
 def run_stage(
@@ -153,209 +103,266 @@ def run_stage(
         ConfigError: a schedule length or the precision does not fit this run.
         HealthError: a health rule with policy ``error`` fired (``FrozenDriftError`` for frozen drift).
     """
-    stage, path = cfg.stages[index], f"stages[{index}]"
-    solver, train = stage.solver, stage.train
+    stage, train = cfg.stages[index], cfg.stages[index].train
     hooks = hooks or LoopHooks()
-    _check_step_counts(stage, index, len(data.y_train), reporter)
+    _check_step_counts(stage, index, len(data.y_train), reporter)  # before anything is built
 
-    # the model with its frozen upstream, and the solver over what this stage trains
-    model, plan = build_stage_model(cfg, index, data, upstream)
-    model.to(device)
-    hw = hardware if hardware is not None else detect_hardware(device)
-    precision = build_precision(solver, device, f"{path}.solver", hooks.make_scaler, hw)
-    memory_format, format_why = choose_memory_format(stage, hw, precision.name, model)
-    if memory_format == "channels_last":
-        model.to(memory_format=torch.channels_last)  # in place: the same Parameter objects
-    compiled = _compile(model, stage, path, device) if stage.compile else None
-    if reporter.rank == 0:
-        assert precision.choice is not None
-        print(f"{precision.choice.line(stage.name)}; memory format {memory_format} ({format_why})", flush=True)
-        if compiled is not None and compiled.status == "eager":
-            print(f"WARNING {compiled.message}", flush=True)
-    digest = frozen_digest(model, plan)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    log_vars = (
-        nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
+    # model, solver and loss, built exactly as lr-find builds them (cascade_ray.stage.setup)
+    setup = setup_stage(
+        cfg, index, data, upstream, device, world=reporter.world, make_scaler=hooks.make_scaler, hardware=hardware
     )
-    if log_vars is not None:
-        named.append(("loss.log_vars", log_vars))
-    params = [p for _, p in named]
-    optimizer = build_optimizer(build_param_groups(named, solver, f"{path}.solver", stage.name), solver)
-    total_steps = total_optimizer_steps(stage, len(data.y_train), reporter.world)
-    scheduler = build_scheduler(optimizer, solver.lr_scheduler, total_steps)
+    model = setup.model
+    if reporter.rank == 0:  # what precision auto and memory_format auto chose here, and why
+        print(setup.precision_line(), flush=True)
+        if setup.compiled is not None and setup.compiled.status == "eager":
+            print(f"WARNING {setup.compiled.message}", flush=True)
+    digest = frozen_digest(model, setup.plan)  # the frozen weights as they must still be at every epoch's end
     net = wrap(model) if wrap is not None else model
     monitor = HealthMonitor(
-        stage, index, named, optimizer, scheduler, precision, model, plan, reporter.rank, reporter.all_sum
+        stage=stage,
+        index=index,
+        named=setup.named_params,
+        optimizer=setup.optimizer,
+        scheduler=setup.scheduler,
+        precision=setup.precision,
+        model=model,
+        plan=setup.plan,
+        rank=reporter.rank,
+        all_sum=reporter.all_sum,
     )
     state = LoopState(
-        stage,
-        index,
-        model,
-        net,
-        plan,
-        named,
-        optimizer,
-        scheduler,
-        precision,
-        monitor,
+        stage=stage,
+        index=index,
+        model=model,
+        net=net,
+        plan=setup.plan,
+        named_params=setup.named_params,
+        optimizer=setup.optimizer,
+        scheduler=setup.scheduler,
+        precision=setup.precision,
+        monitor=monitor,
         rank=reporter.rank,
         world=reporter.world,
-        total_steps=total_steps,
+        total_steps=setup.total_steps,
     )
-    if precision.choice is not None and precision.choice.emulated and stage.health.emulated_bf16.policy != "off":
-        monitor.fire("emulated_bf16", 0, *emulated_bf16_detail(hw, path, probe_slowdown(hw)))
+    choice = setup.precision.choice
+    if choice is not None and choice.emulated and stage.health.emulated_bf16.policy != "off":
+        hw = setup.hardware
+        monitor.fire("emulated_bf16", 0, *emulated_bf16_detail(hw, f"stages[{index}]", probe_slowdown(hw)))
     hooks.on_setup(state)
 
     train_src, val_src = _sources(model, stage.name, data, features, device)
-    heads = module_stage_names(cfg, index) if stage.type == "joint" else [stage.name]
-    weights = stage.loss.weights or {}
-    scales = {n: weights.get(n, cfg.stages[cfg.stage_index(n)].loss.scale) for n in heads}
     if train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
-        evaluate(model, val_src, heads[-1], stage, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
+        evaluate(model, val_src, setup.heads[-1], stage, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
     stopper = EarlyStopping(train.early_stopping)
-    start_epoch, step, stop, history = 0, 0, False, []
+    start_epoch, step, history = 0, 0, []
     if resume is not None:  # a restarted worker group: continue after its last checkpoint
         load_numpy_state(model, resume["model"])
         start_epoch, step, monitor.skipped, history = restore_trainer_state(
-            resume["trainer"], optimizer, scheduler, precision, stopper, stage.name
+            resume["trainer"], setup.optimizer, setup.scheduler, setup.precision, stopper, stage.name
         )
-        monitor.scheduled = scheduler.steps
+        monitor.scheduled = setup.scheduler.steps
         if reporter.rank == 0:
             print(f"[{stage.name}] resumed after epoch {start_epoch} at optimizer step {step}", flush=True)
+
     for epoch in range(start_epoch, train.epochs):
-        model.train()
-        monitor.start_epoch(step)
-        state.epoch = epoch
-        started, seen, epoch_steps, loss_sum = time.perf_counter(), 0, 0, torch.zeros(len(heads) + 1, device=device)
-        step_rows, logged = [], (0, 0.0)  # rank 0's per-step rows of this epoch; (samples, loss sum) at the last row
-        batches = list(
-            train_batches(
-                len(train_src),
-                train.batch_size,
-                rank=reporter.rank,
-                world=reporter.world,
-                seed=stage_seed(cfg, index),
-                epoch=epoch,
-            )
+        run = _train_epoch(
+            setup, state, hooks, reporter, train_src, seed=stage_seed(cfg, index), epoch=epoch, step=step
         )
-        for batch, window, last in accumulation_windows(batches, solver.accumulation_steps):
-            x, y = train_src.batch(batch)
-            if train.augment.enabled:
-                x = augment(x, train.augment)
-            # under DDP, all-reduce gradients only once per window, on its last micro-batch
-            with net.no_sync() if not last and isinstance(net, DistributedDataParallel) else nullcontext():
-                with precision.autocast():
-                    loss, terms = stage_loss(net, x, y, stage, scales, log_vars)
-                precision.backward(loss / window)  # the window's gradient is the mean of its micro-batches'
-            seen += len(y)
-            loss_sum += torch.stack([loss.detach(), *[t.detach() for t in terms]]).float() * len(y)
-            state.loss = loss
-            hooks.after_backward(state)
-            if not last:
-                continue
-            # one optimizer step per window: unscale (fp16), clip, step, then the schedule
-            precision.unscale(optimizer)
-            hooks.before_optimizer_step(state)
-            clip_norm = clip_gradients(params, solver.grad_clip)
-            monitor.before_step(step + 1, clip_norm)
-            skipped = precision.step(optimizer)
-            if not skipped:  # a step the fp16 scaler skipped does not advance the lr plan
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step, epoch_steps = step + 1, epoch_steps + 1
-            state.step = step
-            monitor.after_step(step, skipped, loss_sum)
-            hooks.after_optimizer_step(state)
-            if reporter.rank == 0 and step % train.log_interval == 0:
-                elapsed = time.perf_counter() - started
-                loss_total = loss_sum[0].item()  # the one device sync of a logged step
-                state.row = {
-                    "kind": "step",
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "train_loss": (loss_total - logged[1]) / max(seen - logged[0], 1),  # mean since the last row
-                    "lr": scheduler.get_last_lr()[0],
-                    **monitor.step_metrics(step),
-                    "samples_per_s": seen * reporter.world / elapsed,
-                }
-                step_rows.append(state.row)
-                logged = (seen, loss_total)
-                if hooks.on_log is not None:
-                    hooks.on_log(state)
-                else:
-                    eta = (total_steps - step) * elapsed / epoch_steps  # at this epoch's optimizer-step rate
-                    print(
-                        f"[{stage.name}] epoch {epoch + 1}/{train.epochs} step {step}/{total_steps} loss {state.row['train_loss']:.4f} "
-                        f"lr {state.row['lr']:.3g} {state.row['samples_per_s']:.0f} samples/s ETA {eta:.0f} s",
-                        flush=True,
-                    )
-            if train.max_steps is not None and step >= train.max_steps:
-                stop = True
-                break
-        train_s = time.perf_counter() - started
-        monitor.end_epoch(step, loss_sum, digest)
-        sums = reporter.all_sum([float(seen), *loss_sum.tolist()])
-        metrics = {
-            "epoch": epoch + 1,
-            "step": step,
-            "optimizer_steps": epoch_steps,
-            "train_loss": sums[1] / sums[0],
-            "lr": scheduler.get_last_lr()[0],
-            "samples_per_s": sums[0] / train_s,
-        }
-        if stage.type == "joint":
-            metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(heads)}
-        metrics |= evaluate(model, val_src, heads[-1], stage, reporter, prefix="val_")
-        metrics |= monitor.epoch_metrics()
+        step = run.step
+        metrics = _end_epoch(setup, state, reporter, run, val_src, digest, epoch=epoch)
         # the reported metrics stay flat; the history (summary, artifact manifest, resume state) also
         # carries this epoch's per-step rows, so they survive a reused stage (--resume)
-        history.append(metrics | {"steps": step_rows} if step_rows else metrics)
-        resumable = trainer_state(
-            optimizer,
-            scheduler,
-            precision,
-            stopper,
-            epochs_done=epoch + 1,
-            step=step,
-            skipped=monitor.skipped,
-            history=history,
-        )
-        reporter.report(
-            metrics, model.state_dict() if reporter.rank == 0 else None, resumable if reporter.rank == 0 else None
-        )
-        if scheduler.step_epoch(metrics) and reporter.rank == 0:
+        history.append(metrics | {"steps": run.step_rows} if run.step_rows else metrics)
+        _report(setup, stopper, reporter, metrics, history, epochs_done=epoch + 1, step=step, skipped=monitor.skipped)
+        if setup.scheduler.step_epoch(metrics) and reporter.rank == 0:
             print(
-                f"[{stage.name}] {solver.lr_scheduler.monitor} plateaued: lr now {scheduler.get_last_lr()[0]:.3g}",
+                f"[{stage.name}] {stage.solver.lr_scheduler.monitor} plateaued: lr now {setup.scheduler.get_last_lr()[0]:.3g}",
                 flush=True,
             )
         if stopper.update(metrics):
             if reporter.rank == 0:
                 print(f"[{stage.name}] {stopper.reason()}", flush=True)
             break
-        if stop:
+        if run.reached_max_steps:
             break
+
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if compiled is not None:
-        compiled.finish()
+    if setup.compiled is not None:
+        setup.compiled.finish()
     return StageOutcome(
-        trainable,
-        sum(p.numel() for p in model.parameters()) - trainable,
-        digest,
-        step,
-        reporter.world,
-        history,
-        monitor.warning_count,
-        monitor.skipped,
-        precision.choice.record() if precision.choice is not None else None,
-        memory_format,
-        compiled.record() if compiled is not None else None,
+        trainable_params=trainable,
+        frozen_params=sum(p.numel() for p in model.parameters()) - trainable,
+        frozen_digest=digest,
+        steps=step,
+        world_size=reporter.world,
+        history=history,
+        health_warnings=monitor.warning_count,
+        skipped_steps=monitor.skipped,
+        precision=setup.precision.choice.record() if setup.precision.choice is not None else None,
+        memory_format=setup.memory_format,
+        compile=setup.compiled.record() if setup.compiled is not None else None,
     )
 
 
-def _compile(model: CascadeModel, stage: StageConfig, path: str, device: torch.device) -> CompileState:
-    """``stages[i].compile``: the stage's own module (every block for a joint stage), in place."""
-    modules = [model.blocks[stage.name]] if stage.name in model.blocks else list(model.blocks.values())
-    return compile_stage(modules, path, device)
+@dataclass
+class _EpochRun:
+    """What one epoch of steps leaves behind, on this rank."""
+
+    step: int  # optimizer steps taken so far, all epochs
+    optimizer_steps: int  # this epoch's
+    seen: int  # samples this rank trained on
+    loss_sum: torch.Tensor  # sample-weighted sums: [loss, *per-head terms]
+    train_s: float  # wall time of the steps
+    step_rows: list[dict[str, Any]]  # rank 0's per-step rows
+    reached_max_steps: bool
+
+
+def _train_epoch(
+    setup: StageSetup,
+    state: LoopState,
+    hooks: LoopHooks,
+    reporter: Reporter,
+    source: ArraySource,
+    *,
+    seed: int,
+    epoch: int,
+    step: int,
+) -> _EpochRun:
+    """One epoch of optimizer steps, each over a window of ``solver.accumulation_steps`` micro-batches."""
+    stage, net, monitor = setup.stage, state.net, state.monitor
+    solver, train = stage.solver, stage.train
+    optimizer, scheduler, precision, params = setup.optimizer, setup.scheduler, setup.precision, setup.params
+    setup.model.train()  # CascadeModel keeps its frozen modules in eval mode
+    monitor.start_epoch(step)
+    state.epoch = epoch
+    started, seen, epoch_steps = time.perf_counter(), 0, 0
+    loss_sum = torch.zeros(len(setup.heads) + 1, device=setup.device)  # summed on the device: no sync per step
+    step_rows, logged = [], (0, 0.0)  # (samples, loss sum) at the last logged row
+    batches = list(
+        train_batches(len(source), train.batch_size, rank=reporter.rank, world=reporter.world, seed=seed, epoch=epoch)
+    )
+    for batch, window, last in accumulation_windows(batches, solver.accumulation_steps):
+        x, y = source.batch(batch)
+        if train.augment.enabled:
+            x = augment(x, train.augment)
+        # under DDP, all-reduce gradients only once per window, on its last micro-batch
+        with net.no_sync() if not last and isinstance(net, DistributedDataParallel) else nullcontext():
+            with precision.autocast():
+                loss, terms = setup.loss(net, x, y)
+            precision.backward(loss / window)  # the window's gradient is the mean of its micro-batches'
+        seen += len(y)
+        loss_sum += torch.stack([loss.detach(), *[t.detach() for t in terms]]).float() * len(y)
+        state.loss = loss
+        hooks.after_backward(state)
+        if not last:
+            continue
+
+        # one optimizer step per window: unscale (fp16), clip, step, then the schedule
+        precision.unscale(optimizer)
+        hooks.before_optimizer_step(state)
+        clip_norm = clip_gradients(params, solver.grad_clip)
+        monitor.before_step(step + 1, clip_norm)
+        skipped = precision.step(optimizer)
+        if not skipped:  # a step the fp16 scaler skipped does not advance the lr plan
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, epoch_steps = step + 1, epoch_steps + 1
+        state.step = step
+        monitor.after_step(step, skipped, loss_sum)
+        hooks.after_optimizer_step(state)
+
+        if reporter.rank == 0 and step % train.log_interval == 0:
+            elapsed = time.perf_counter() - started
+            loss_total = loss_sum[0].item()  # the one device sync of a logged step
+            state.row = {
+                "kind": "step",
+                "epoch": epoch + 1,
+                "step": step,
+                "train_loss": (loss_total - logged[1]) / max(seen - logged[0], 1),  # mean since the last row
+                "lr": scheduler.get_last_lr()[0],
+                **monitor.step_metrics(step),
+                "samples_per_s": seen * reporter.world / elapsed,
+            }
+            step_rows.append(state.row)
+            logged = (seen, loss_total)
+            _log_step(state, hooks, eta=(setup.total_steps - step) * elapsed / epoch_steps)
+        if train.max_steps is not None and step >= train.max_steps:
+            return _EpochRun(step, epoch_steps, seen, loss_sum, time.perf_counter() - started, step_rows, True)
+    return _EpochRun(step, epoch_steps, seen, loss_sum, time.perf_counter() - started, step_rows, False)
+
+
+def _log_step(state: LoopState, hooks: LoopHooks, eta: float) -> None:
+    """Hand `state.row` to ``hooks.on_log`` (a driver-side progress board), or print the progress line.
+
+    `eta`: seconds left at this epoch's optimizer-step rate.
+    """
+    if hooks.on_log is not None:
+        hooks.on_log(state)
+        return
+    row, train = state.row, state.stage.train
+    assert row is not None
+    print(
+        f"[{state.stage.name}] epoch {row['epoch']}/{train.epochs} step {row['step']}/{state.total_steps} loss {row['train_loss']:.4f} "
+        f"lr {row['lr']:.3g} {row['samples_per_s']:.0f} samples/s ETA {eta:.0f} s",
+        flush=True,
+    )
+
+
+def _end_epoch(
+    setup: StageSetup,
+    state: LoopState,
+    reporter: Reporter,
+    run: _EpochRun,
+    val_source: ArraySource,
+    digest: dict[str, str],
+    *,
+    epoch: int,
+) -> dict[str, float]:
+    """The epoch's health checks, then its metrics: training (summed over ranks), validation, health."""
+    state.monitor.end_epoch(run.step, run.loss_sum, digest)
+    sums = reporter.all_sum([float(run.seen), *run.loss_sum.tolist()])
+    metrics = {
+        "epoch": epoch + 1,
+        "step": run.step,
+        "optimizer_steps": run.optimizer_steps,
+        "train_loss": sums[1] / sums[0],
+        "lr": setup.scheduler.get_last_lr()[0],
+        "samples_per_s": sums[0] / run.train_s,
+    }
+    if setup.stage.type == "joint":
+        metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(setup.heads)}
+    metrics |= evaluate(setup.model, val_source, setup.heads[-1], setup.stage, reporter, prefix="val_")
+    metrics |= state.monitor.epoch_metrics()
+    return metrics
+
+
+def _report(
+    setup: StageSetup,
+    stopper: EarlyStopping,
+    reporter: Reporter,
+    metrics: dict[str, float],
+    history: list[dict[str, Any]],
+    *,
+    epochs_done: int,
+    step: int,
+    skipped: int,
+) -> None:
+    """Publish the epoch's metrics; rank 0 also checkpoints the model and everything a restart resumes from."""
+    if reporter.rank != 0:
+        reporter.report(metrics, None, None)
+        return
+    resumable = trainer_state(
+        setup.optimizer,
+        setup.scheduler,
+        setup.precision,
+        stopper,
+        epochs_done=epochs_done,
+        step=step,
+        skipped=skipped,
+        history=history,
+    )
+    reporter.report(metrics, setup.model.state_dict(), resumable)
 
 
 def _sources(
@@ -386,28 +393,6 @@ def _check_step_counts(stage: StageConfig, index: int, n_train: int, reporter: R
     if reporter.rank == 0:
         for issue in warnings:
             print(f"WARNING config: {issue.render()}", flush=True)
-
-
-def stage_loss(
-    net: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    stage: StageConfig,
-    scales: Mapping[str, float],
-    log_vars: torch.Tensor | None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The stage's training loss and its per-head terms (`scales`: head -> loss.scale, in order).
-
-    One head: ``scale * CE``. A joint stage sums ``scale_i * CE_i`` over its heads, or with
-    learned uncertainty weighting ``exp(-s_i) * scale_i * CE_i + s_i``.
-    """
-    outs = net(x, heads=list(scales))
-    terms = [F.cross_entropy(outs[n], y, label_smoothing=stage.loss.label_smoothing) for n in scales]
-    if log_vars is None:
-        return sum(s * t for s, t in zip(scales.values(), terms)), terms  # type: ignore[return-value]
-    return sum(
-        torch.exp(-log_vars[i]) * s * t + log_vars[i] for i, (s, t) in enumerate(zip(scales.values(), terms))
-    ), terms  # type: ignore[return-value]
 
 
 @torch.no_grad()

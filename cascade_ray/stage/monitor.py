@@ -30,6 +30,7 @@ class HealthMonitor:
 
     def __init__(
         self,
+        *,
         stage: StageConfig,
         index: int,
         named: Sequence[tuple[str, nn.Parameter]],

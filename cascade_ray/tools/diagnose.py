@@ -4,7 +4,8 @@ It answers the manual checklist of a run that "trains" but does not learn: the s
 as loaded, the optimizer actually built (groups, lr, weight decay, parameter counts),
 the lr plan, gradient flow and parameter updates per module, the fp16 scaler, and a
 verdict from the health rules. No Ray: the real ``run_stage`` runs with hooks that
-record and stop it. For the verdict to mean something in a few steps, the rules
+record and stop it, so the model, groups, loss and precision are those of
+:func:`~cascade_ray.stage.setup.setup_stage`, as in every run. For the verdict to mean something in a few steps, the rules
 measure every step, their patience is capped at half the steps, and every rule that
 is not ``off`` warns instead of raising, so all alarms are listed.
 
@@ -134,7 +135,7 @@ def _cached_inputs(
 
     from cascade_ray.data.batches import train_batches
     from cascade_ray.pipeline.features import cache_decision, upstream_outputs
-    from cascade_ray.stage.loop import build_stage_model, stage_seed
+    from cascade_ray.stage.setup import build_stage_model, stage_seed
 
     if index == 0:
         return upstream, None, "none (first stage)"

@@ -1,7 +1,8 @@
 """``cascade-ray lr-find``: an exponential learning-rate range test for one stage.
 
-The stage's real model (upstream frozen), optimizer, parameter groups, precision and
-clipping are built as ``run_stage`` builds them; then the lr grows geometrically from
+The stage's real model (upstream frozen), optimizer, parameter groups, loss (``loss.weights``
+and uncertainty weighting included), precision and clipping come from the same
+:func:`~cascade_ray.stage.setup.setup_stage` as ``run_stage``'s; then the lr grows geometrically from
 `start_lr` to `end_lr`, one optimizer step per micro-batch (no accumulation), until the
 smoothed loss exceeds `diverge` x its minimum. Every parameter group keeps its lr ratio
 to ``solver.lr``. The suggestion is the lr of the steepest descent of the smoothed loss
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
@@ -70,25 +70,16 @@ def lr_find(
 ) -> LrFindResult:
     """Run the range test on stage `index` (see the module docstring)."""
     from cascade_ray.data.batches import ArraySource
-    from cascade_ray.models.cascade import module_stage_names
-    from cascade_ray.solver import build_optimizer, build_param_groups, build_precision, clip_gradients
-    from cascade_ray.stage.loop import build_stage_model, stage_loss, stage_seed
+    from cascade_ray.solver import clip_gradients
+    from cascade_ray.stage.setup import setup_stage, stage_seed
 
     device = device or torch.device("cpu")
-    stage, solver = cfg.stages[index], cfg.stages[index].solver
-    model, _ = build_stage_model(cfg, index, data, upstream)
-    model.to(device).train()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    log_vars = (
-        nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
-    )
-    if log_vars is not None:
-        named.append(("loss.log_vars", log_vars))
-    optimizer = build_optimizer(build_param_groups(named, solver, f"stages[{index}].solver", stage.name), solver)
-    ratios = [g["lr"] / solver.lr for g in optimizer.param_groups]
-    precision = build_precision(solver, device, f"stages[{index}].solver")
-    heads = module_stage_names(cfg, index) if stage.type == "joint" else [stage.name]
-    scales = {n: cfg.stages[cfg.stage_index(n)].loss.scale for n in heads}
+    # the stage's model, parameter groups, loss and precision, exactly as run_stage builds them;
+    # its lr schedule is not used: the range test sets every group's lr itself
+    setup = setup_stage(cfg, index, data, upstream, device)
+    stage, solver, optimizer, precision = setup.stage, setup.stage.solver, setup.optimizer, setup.precision
+    model, params = setup.model.train(), setup.params
+    ratios = [base / solver.lr for base in setup.scheduler.base_lrs]  # each group's lr before any schedule
     source = ArraySource(data.x_train, data.y_train, data.mean, data.std, device)
     batches = _endless_batches(len(source), stage.train.batch_size, stage_seed(cfg, index))
     gamma = (end_lr / start_lr) ** (1.0 / max(1, steps - 1))
@@ -100,11 +91,11 @@ def lr_find(
             group["lr"] = lr * ratio
         x, y = source.batch(next(batches))
         with precision.autocast():
-            loss, _ = stage_loss(model, x, y, stage, scales, log_vars)
+            loss, _ = setup.loss(model, x, y)
         optimizer.zero_grad(set_to_none=True)
         precision.backward(loss)
         precision.unscale(optimizer)
-        clip_gradients([p for _, p in named], solver.grad_clip)
+        clip_gradients(params, solver.grad_clip)
         precision.step(optimizer)
         value = float(loss.detach())
         if not math.isfinite(value):

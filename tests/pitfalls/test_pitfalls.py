@@ -20,7 +20,8 @@ from cascade_ray.checks import load_config
 from cascade_ray.errors import ConfigError, FrozenDriftError, HealthError
 from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.stage.hooks import LoopHooks
-from cascade_ray.stage.loop import build_stage_model, run_stage
+from cascade_ray.stage.loop import run_stage
+from cascade_ray.stage.setup import build_stage_model
 
 CPU = torch.device("cpu")
 DEBUG = CONFIGS / "debug.yaml"

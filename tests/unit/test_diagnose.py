@@ -14,7 +14,7 @@ from cascade_ray.hardware import detect_hardware
 from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.pipeline.artifacts import write_artifact
 from cascade_ray.solver.precision import resolve_precision
-from cascade_ray.stage.loop import build_stage_model
+from cascade_ray.stage.setup import build_stage_model
 from cascade_ray.tools.diagnose import diagnose, format_report
 
 AUTO_ON_THIS_CPU = resolve_precision("auto", detect_hardware("cpu")).resolved

@@ -11,7 +11,7 @@ from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.freeze import check_frozen, frozen_digest
 from cascade_ray.models.registry import module_layers
 from cascade_ray.models.weights import to_numpy_state
-from cascade_ray.stage.loop import build_stage_model
+from cascade_ray.stage.setup import build_stage_model
 
 
 def _stage0_state(cfg, digits):

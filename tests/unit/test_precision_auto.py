@@ -24,7 +24,8 @@ from cascade_ray.solver.precision import (
     precision_config_issues,
     resolve_precision,
 )
-from cascade_ray.stage.loop import build_stage_model, run_stage
+from cascade_ray.stage.loop import run_stage
+from cascade_ray.stage.setup import build_stage_model
 
 CPU = torch.device("cpu")
 AVX2, BF16_CPU = Hardware.cpu("AVX2"), Hardware.cpu("AVX512_BF16")

@@ -165,7 +165,7 @@ def test_fit_stage_hands_workers_the_resolved_use_gpu(debug_raw, monkeypatch, tm
 
 def _stage_model(debug_raw, index):
     from cascade_ray.data.source import load_data
-    from cascade_ray.stage.loop import build_stage_model
+    from cascade_ray.stage.setup import build_stage_model
 
     cfg = validate_config(debug_raw)
     model, _ = build_stage_model(cfg, index, load_data(cfg.data, cfg.seed), None)

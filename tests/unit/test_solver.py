@@ -23,7 +23,7 @@ from cascade_ray.solver import (
     lr_factor,
     step_count_issues,
 )
-from cascade_ray.stage.loop import build_stage_model
+from cascade_ray.stage.setup import build_stage_model
 
 
 def issues_of(raw) -> dict[str, str]:

@@ -1,0 +1,262 @@
+"""One stage's setup: everything a stage trains with, built in one place.
+
+``run_stage``, ``cascade-ray lr-find`` and ``cascade-ray diagnose`` (which runs
+``run_stage``) all call :func:`setup_stage`, so the model they train, its parameter
+groups, the loss (``loss.scale``, ``loss.weights``, uncertainty weighting) and the
+precision cannot drift apart between the loop and the tools.
+
+The order of the steps matters for reproducibility: the model is built right after
+seeding torch (:func:`build_stage_model`), and nothing after it draws random numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cascade_ray.config.schema import PipelineConfig, StageConfig
+from cascade_ray.data import DataSplits
+from cascade_ray.hardware import Hardware, detect_hardware
+from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
+from cascade_ray.models.freeze import TrainablePlan, apply_freeze, plan_trainable
+from cascade_ray.models.plan import require_plans
+from cascade_ray.models.weights import load_numpy_state, load_state_file
+from cascade_ray.solver import (
+    LrSchedule,
+    Precision,
+    build_optimizer,
+    build_param_groups,
+    build_precision,
+    build_scheduler,
+    total_optimizer_steps,
+)
+from cascade_ray.solver.precision import CompileState, choose_memory_format, compile_stage
+from cascade_ray.solver.step import ScalerFactory
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSetup:
+    """What stage `index` trains, and with what; built by :func:`setup_stage`.
+
+    Frozen: the fields are never reassigned (the optimizer, schedule and precision
+    objects themselves keep their running state).
+
+    Attributes:
+        stage: the stage's config; index: its position in ``cfg.stages``.
+        device: where the model and the loss's log-variances live.
+        model: the composed model, upstream loaded and frozen, on `device`.
+        plan: what the stage trains and what is frozen.
+        named_params: the trainable (name, parameter) pairs in optimizer order, the
+            uncertainty-weighting log-variances last (``loss.log_vars``).
+        optimizer: over ``build_param_groups(named_params)``.
+        total_steps: optimizer steps the stage plans on `world` ranks (all epochs).
+        scheduler: the lr plan over `total_steps` (it has set each group's lr to step 0's).
+        precision: autocast, backward, loss scaling and the optimizer step.
+        scales: head -> loss multiplier, in head order (``loss.weights`` over each stage's
+            ``loss.scale``); the last head is the one evaluated.
+        log_vars: the learned log-variances of ``loss.weighting: uncertainty``, else None.
+        hardware: what `device` runs natively (it decided precision auto and memory_format auto).
+        memory_format: ``channels_last`` or ``contiguous``, and memory_format_reason why.
+        compiled: the torch.compile state when ``stages[i].compile`` is true, else None.
+    """
+
+    stage: StageConfig
+    index: int
+    device: torch.device
+    model: CascadeModel
+    plan: TrainablePlan
+    named_params: list[tuple[str, nn.Parameter]]
+    optimizer: torch.optim.Optimizer
+    total_steps: int
+    scheduler: LrSchedule
+    precision: Precision
+    scales: dict[str, float]
+    log_vars: nn.Parameter | None
+    hardware: Hardware
+    memory_format: str
+    memory_format_reason: str
+    compiled: CompileState | None
+
+    def precision_line(self) -> str:
+        """``features: precision auto -> fp32 (CPU AVX2: bf16 would be emulated); memory format ...``"""
+        choice = self.precision.choice
+        head = (
+            choice.line(self.stage.name)
+            if choice is not None
+            else f"{self.stage.name}: precision {self.precision.name}"
+        )
+        return f"{head}; memory format {self.memory_format} ({self.memory_format_reason})"
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters (what is clipped and measured), in optimizer order."""
+        return [p for _, p in self.named_params]
+
+    @property
+    def heads(self) -> list[str]:
+        """The heads the loss is taken on (one, or every module stage of a joint stage)."""
+        return list(self.scales)
+
+    def loss(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The training loss of one micro-batch and its per-head terms (see :func:`stage_loss`).
+
+        `net` is what forward runs on: the model, or its DDP wrapper.
+        """
+        return stage_loss(net, x, y, self.stage, self.scales, self.log_vars)
+
+
+def setup_stage(
+    cfg: PipelineConfig,
+    index: int,
+    data: DataSplits,
+    upstream: Mapping[str, np.ndarray] | None,
+    device: torch.device,
+    *,
+    world: int = 1,
+    make_scaler: ScalerFactory | None = None,
+    hardware: Hardware | None = None,
+) -> StageSetup:
+    """Build stage `index`'s model, solver and loss for a run on `world` ranks.
+
+    Args:
+        cfg: the validated pipeline config.
+        index: which stage.
+        data: the splits (for shapes and the number of training samples).
+        upstream: numpy state dict of every earlier stage, or None (freshly initialized).
+        device: where to train.
+        world: ranks the stage runs on (the lr plan's length depends on it).
+        make_scaler: replaces the CUDA GradScaler under fp16 (``LoopHooks.make_scaler``).
+        hardware: what `device` runs natively; default detected (tests inject a capability).
+
+    Raises:
+        ConfigError: the precision does not fit `device`.
+    """
+    stage, path = cfg.stages[index], f"stages[{index}]"
+    solver = stage.solver
+
+    # the model: upstream loaded and frozen, then moved (the frozen digest is taken on `device`)
+    model, plan = build_stage_model(cfg, index, data, upstream)
+    model.to(device)
+
+    # precision (auto: what `device` runs natively), then the memory format and torch.compile it
+    # implies; both act in place, so the parameters below are the ones the optimizer steps
+    hw = hardware if hardware is not None else detect_hardware(device)
+    precision = build_precision(solver, device, f"{path}.solver", make_scaler, hw)
+    memory_format, format_why = choose_memory_format(stage, hw, precision.name, model)
+    if memory_format == "channels_last":
+        model.to(memory_format=torch.channels_last)  # in place: the same Parameter objects
+    compiled = _compile(model, stage, path, device) if stage.compile else None
+
+    # the loss: which heads, how each is weighted, and the learned log-variances of
+    # uncertainty weighting (trained with the model, so they join its parameter list)
+    scales = loss_scales(cfg, index)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    log_vars = (
+        nn.Parameter(torch.zeros(len(model.order), device=device)) if stage.loss.weighting == "uncertainty" else None
+    )
+    if log_vars is not None:
+        named.append(("loss.log_vars", log_vars))
+
+    # the solver over what this stage trains
+    optimizer = build_optimizer(build_param_groups(named, solver, f"{path}.solver", stage.name), solver)
+    total_steps = total_optimizer_steps(stage, len(data.y_train), world)
+    scheduler = build_scheduler(optimizer, solver.lr_scheduler, total_steps)
+
+    return StageSetup(
+        stage=stage,
+        index=index,
+        device=device,
+        model=model,
+        plan=plan,
+        named_params=named,
+        optimizer=optimizer,
+        total_steps=total_steps,
+        scheduler=scheduler,
+        precision=precision,
+        scales=scales,
+        log_vars=log_vars,
+        hardware=hw,
+        memory_format=memory_format,
+        memory_format_reason=format_why,
+        compiled=compiled,
+    )
+
+
+def _compile(model: CascadeModel, stage: StageConfig, path: str, device: torch.device) -> CompileState:
+    """``stages[i].compile``: the stage's own module (every block for a joint stage), in place."""
+    modules = [model.blocks[stage.name]] if stage.name in model.blocks else list(model.blocks.values())
+    return compile_stage(modules, path, device)
+
+
+def stage_seed(cfg: PipelineConfig, index: int) -> int:
+    """Seed of stage `index`: distinct per stage, fixed by the pipeline seed."""
+    return cfg.seed * 1009 + index
+
+
+def build_stage_model(
+    cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None
+) -> tuple[CascadeModel, TrainablePlan]:
+    """The composed model for stage `index` with upstream weights loaded and frozen (on the CPU)."""
+    plans = require_plans(cfg, data.image_shape, data.num_classes)
+    torch.manual_seed(stage_seed(cfg, index))
+    model = build_cascade(cfg, plans, data.num_classes, upto=index)
+    stage = cfg.stages[index]
+    if stage.pretrained is not None:
+        model.blocks[stage.name].load_state_dict(load_state_file(stage.pretrained))
+    if upstream is not None:
+        own = {k for k in model.state_dict() if k.split(".")[1] == stage.name}
+        missing, unexpected = _load_upstream(model, upstream)
+        if set(missing) != own or unexpected:
+            raise RuntimeError(
+                f"upstream weights do not fit stage {stage.name!r}: missing {sorted(set(missing) - own)[:5]}, unexpected {unexpected[:5]}"
+            )
+    plan = plan_trainable(model, cfg, index)
+    apply_freeze(model, plan)
+    return model, plan
+
+
+def _load_upstream(model: nn.Module, upstream: Mapping[str, np.ndarray]) -> tuple[list[str], list[str]]:
+    keys = set(model.state_dict())
+    load_numpy_state(model, {k: v for k, v in upstream.items() if k in keys}, strict=False)
+    missing = [k for k in keys if k not in upstream]
+    return missing, [k for k in upstream if k not in keys]
+
+
+def loss_scales(cfg: PipelineConfig, index: int) -> dict[str, float]:
+    """Head -> loss multiplier of stage `index`, in head order.
+
+    A module stage has its own head at its ``loss.scale``. A joint stage has every module
+    stage's head; its ``loss.weights`` name a multiplier per head, and a head it does not
+    name keeps that stage's own ``loss.scale``.
+    """
+    stage = cfg.stages[index]
+    heads = module_stage_names(cfg, index) if stage.type == "joint" else [stage.name]
+    weights = stage.loss.weights or {}
+    return {n: weights.get(n, cfg.stages[cfg.stage_index(n)].loss.scale) for n in heads}
+
+
+def stage_loss(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    stage: StageConfig,
+    scales: Mapping[str, float],
+    log_vars: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stage's training loss and its per-head terms (`scales`: head -> multiplier, in order).
+
+    One head: ``scale * CE``. A joint stage sums ``scale_i * CE_i`` over its heads, or with
+    learned uncertainty weighting ``exp(-s_i) * scale_i * CE_i + s_i``.
+    """
+    outs = net(x, heads=list(scales))
+    terms = [F.cross_entropy(outs[n], y, label_smoothing=stage.loss.label_smoothing) for n in scales]
+    if log_vars is None:
+        return sum(s * t for s, t in zip(scales.values(), terms)), terms  # type: ignore[return-value]
+    return sum(
+        torch.exp(-log_vars[i]) * s * t + log_vars[i] for i, (s, t) in enumerate(zip(scales.values(), terms))
+    ), terms  # type: ignore[return-value]
