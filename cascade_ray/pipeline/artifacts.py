@@ -14,19 +14,18 @@ last; a reader sees no artifact or a complete one, and the sha256 check catches 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cascade_ray import __version__
 from cascade_ray.errors import ArtifactError
 from cascade_ray.models.weights import NumpyState, load_safetensors, save_safetensors, state_digests
+from cascade_ray.pipeline.records import Manifest, ManifestFields, manifest_text, read_manifest
 from cascade_ray.storage import StorageDir, UriPath, local_copy, parse_uri
 
 WEIGHTS = "weights.safetensors"
@@ -38,7 +37,7 @@ class Artifact:
     """A stage artifact on disk."""
 
     path: StorageDir
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @property
     def weights_path(self) -> StorageDir:
@@ -60,16 +59,16 @@ def file_sha256(path: StorageDir) -> str:
     return h.hexdigest()
 
 
-def _complete(manifest: dict[str, Any], weights: Path, state: NumpyState) -> dict[str, Any]:
-    return {
-        **manifest,
-        "cascade_ray_version": __version__,
-        "weights_sha256": file_sha256(weights),
-        "tensor_digests": state_digests(state),
-    }
+def _complete(fields: ManifestFields, weights: Path, state: NumpyState) -> Manifest:
+    return Manifest(
+        **fields.model_dump(),
+        cascade_ray_version=__version__,
+        weights_sha256=file_sha256(weights),
+        tensor_digests=state_digests(state),
+    )
 
 
-def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: dict[str, Any]) -> Artifact:
+def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: ManifestFields) -> Artifact:
     """Write weights and manifest to a temp folder, then rename it into place (locally)."""
     final = as_storage_dir(directory)
     if isinstance(final, UriPath):
@@ -80,7 +79,7 @@ def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: dic
     tmp.mkdir()
     save_safetensors(state, tmp / WEIGHTS)
     full = _complete(manifest, tmp / WEIGHTS, state)
-    (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True))
+    (tmp / MANIFEST).write_text(manifest_text(full))
     if final.exists():
         # keep the previous artifact until the new one is complete, then swap
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -92,7 +91,7 @@ def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: dic
     return Artifact(final, full)
 
 
-def _write_uri(final: UriPath, state: NumpyState, manifest: dict[str, Any]) -> Artifact:
+def _write_uri(final: UriPath, state: NumpyState, manifest: ManifestFields) -> Artifact:
     """Manifest last: without a rename, a missing manifest is what marks an incomplete artifact."""
     with tempfile.TemporaryDirectory(prefix="cascade-ray-artifact-") as tmp:
         weights = Path(tmp) / WEIGHTS
@@ -101,7 +100,7 @@ def _write_uri(final: UriPath, state: NumpyState, manifest: dict[str, Any]) -> A
         (final / MANIFEST).unlink(missing_ok=True)
         with weights.open("rb") as src, (final / WEIGHTS).open("wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
-    (final / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True))
+    (final / MANIFEST).write_text(manifest_text(full))
     return Artifact(final, full)
 
 
@@ -109,18 +108,15 @@ def read_artifact(directory: str | StorageDir) -> tuple[Artifact, NumpyState]:
     """Load and verify an artifact (file hash and every tensor digest)."""
     path = as_storage_dir(directory)
     retrain = "delete the folder and rerun the pipeline to retrain this stage"
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"artifact {path}: unreadable {MANIFEST} ({exc}); {retrain}") from None
+    manifest = read_manifest(path / MANIFEST)  # ArtifactError naming the file and key when malformed
     weights = path / WEIGHTS
     if not weights.is_file():
         raise ArtifactError(f"artifact {path}: {WEIGHTS} is missing; {retrain}")
     with local_copy(weights) as local:  # one download from remote storage, hashed and loaded
-        if file_sha256(local) != manifest.get("weights_sha256"):
+        if file_sha256(local) != manifest.weights_sha256:
             raise ArtifactError(f"artifact {path}: {WEIGHTS} does not match its sha256 in {MANIFEST}; {retrain}")
         state = load_safetensors(local)
-    if state_digests(state) != manifest.get("tensor_digests"):
+    if state_digests(state) != manifest.tensor_digests:
         raise ArtifactError(f"artifact {path}: tensor digests differ from {MANIFEST}; {retrain}")
     return Artifact(path, manifest), state
 

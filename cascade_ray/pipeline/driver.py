@@ -31,6 +31,7 @@ from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.outputs import write_run_outputs
+from cascade_ray.pipeline.records import RunSummary, summary_text
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
 from cascade_ray.ray_compat import detected_cpus
 from cascade_ray.solver import step_count_issues
@@ -136,15 +137,12 @@ def run_pipeline(
         raise ConfigError([ConfigIssue("stages", "the pipeline has no stage", "add at least one stage")])
     final_cfg = session.cfg  # swept stages carry their best trial's values
     test = evaluate_composed(final_cfg, data, upstream.state)
-    summary = {
-        "name": cfg.name,
-        "test_accuracy": test["accuracy"],
-        "test_loss": test["loss"],
-        "stages": records,
-        "storage": str(out),
-    }
+    run_summary = RunSummary(
+        name=cfg.name, test_accuracy=test["accuracy"], test_loss=test["loss"], stages=records, storage=str(out)
+    )
+    summary = run_summary.to_json()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(summary_text(run_summary))
     with staged_dir(out) as local:  # the report writers use local paths; staged to s3:// / gs:// here
         write_run_outputs(local, final_cfg, records, np.asarray(data.y_test), test["predictions"], log=log)
     log(format_table(summary))

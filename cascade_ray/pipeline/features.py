@@ -38,6 +38,7 @@ import torch
 from cascade_ray.checks.semantic import cache_refusals
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ResourceError
+from cascade_ray.pipeline.records import FeatureCacheRecord
 from cascade_ray.storage import StorageDir, UriPath
 
 CACHE_VERSION = 1
@@ -69,14 +70,11 @@ class FeatureCache:
     status: str
     seconds: float
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> FeatureCacheRecord:
         """The summary entry of this cache."""
-        return {
-            "status": self.status,
-            "shape": list(self.shape),
-            "path": str(self.path),
-            "seconds": round(self.seconds, 2),
-        }
+        return FeatureCacheRecord(
+            status=self.status, shape=list(self.shape), path=str(self.path), seconds=round(self.seconds, 2)
+        )
 
 
 def cache_decision(cfg: PipelineConfig, index: int) -> tuple[bool, str]:

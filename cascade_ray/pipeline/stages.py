@@ -32,6 +32,7 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
+from cascade_ray.pipeline.records import ManifestFields, StageRecord
 from cascade_ray.stage.worker import CHECKPOINT_STATE, read_checkpoint
 
 
@@ -189,51 +190,33 @@ class StageSession:
                     f"stage {stage.name!r}: {len(changed)} frozen tensor(s) differ from the upstream artifact: {', '.join(changed[:5])}"
                 )
         outcome = result.return_value or {}
-        record = {
-            "name": stage.name,
-            "type": stage.type,
-            "status": "trained",
-            "metrics": metrics,
-            "history": outcome.get("history", history or []),
-            "num_workers": outcome.get("world_size", stage.scaling.num_workers),
-            "trainable_params": trainable,
-            "frozen_params": frozen_params,
-            "fingerprint": fp,
-            "ray_run": run_name,
+        fields = ManifestFields(
+            metrics=metrics,
+            history=outcome.get("history", history or []),
+            num_workers=outcome.get("world_size", stage.scaling.num_workers),
+            trainable_params=trainable,
+            frozen_params=frozen_params,
+            fingerprint=fp,
+            ray_run=run_name,
+            stage=stage.name,
+            index=index,
+            parent_fingerprint=upstream.fingerprint if upstream else "",
+            data_fingerprint=self.data_fp,
+            frozen_digest=state_digests(state, frozen_keys),
             # what the worker's device made of precision auto / memory format / compile
             **{k: outcome.get(k) for k in DEVICE_KEYS},
-        }
-        if (cache := self.cache_of(index)) is not None:
-            record["feature_cache"] = cache.record()
-        artifact = write_artifact(
-            self.artifact_dir(index),
-            state,
-            {
-                **{
-                    k: record[k]
-                    for k in (
-                        "metrics",
-                        "history",
-                        "num_workers",
-                        "trainable_params",
-                        "frozen_params",
-                        "ray_run",
-                        *DEVICE_KEYS,
-                    )
-                },
-                "stage": stage.name,
-                "index": index,
-                "fingerprint": fp,
-                "parent_fingerprint": upstream.fingerprint if upstream else "",
-                "data_fingerprint": self.data_fp,
-                "frozen_digest": state_digests(state, frozen_keys),
-            },
         )
-        record |= {
-            "wall_s": round(time.perf_counter() - started, 2),
-            "artifact": str(artifact.path),
-            "digest": artifact.manifest["weights_sha256"],
-        }
+        artifact = write_artifact(self.artifact_dir(index), state, fields)
+        cache = self.cache_of(index)
+        record = StageRecord.from_manifest(
+            artifact.manifest,
+            name=stage.name,
+            type=stage.type,
+            status="trained",
+            wall_s=round(time.perf_counter() - started, 2),
+            artifact=str(artifact.path),
+            feature_cache=cache.record() if cache is not None else None,
+        ).to_json()
         return record, Handoff(state, ray.put(state), fp)  # one put; every worker of the next stage reads it
 
     def _reuse(self, index: int, fp: str) -> tuple[dict[str, Any], Handoff] | None:
@@ -246,21 +229,10 @@ class StageSession:
         # a damaged artifact is an error, never silently retrained over nor reused
         artifact, state = read_artifact(path)
         manifest = artifact.manifest
-        if manifest.get("fingerprint") != fp:
+        if manifest.fingerprint != fp:
             self.log(f"  {stage.name}: config, upstream or data changed since the stored artifact, training")
             return None
-        record = {
-            "name": stage.name,
-            "type": stage.type,
-            "status": "reused",
-            "wall_s": 0.0,
-            "artifact": str(path),
-            "digest": manifest["weights_sha256"],
-            "fingerprint": fp,
-            **{
-                k: manifest[k]
-                for k in ("metrics", "history", "num_workers", "trainable_params", "frozen_params", "ray_run")
-            },
-            **{k: manifest.get(k) for k in DEVICE_KEYS},  # absent in artifacts written before they were recorded
-        }
+        record = StageRecord.from_manifest(
+            manifest, name=stage.name, type=stage.type, status="reused", wall_s=0.0, artifact=str(path)
+        ).to_json()
         return record, Handoff(state, ray.put(state), fp)

@@ -26,6 +26,7 @@ from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.outputs import CONFIG_FILE
+from cascade_ray.pipeline.records import read_summary
 
 EXPORT_DIR = "export"
 PARITY_SAMPLES = 1000
@@ -53,8 +54,8 @@ def load_composed(run: str | Path) -> tuple[ComposedClassifier, Any]:
             f"{run} is not a finished run (no {CONFIG_FILE} / summary.json): pass {{storage_path}}/{{name}}"
         )
     cfg = load_config(run / CONFIG_FILE)
-    summary = json.loads((run / "summary.json").read_text())
-    _, state = read_artifact(summary["stages"][-1]["artifact"])
+    summary = read_summary(run / "summary.json")
+    _, state = read_artifact(summary.stages[-1].artifact)
     data = load_data(cfg.data, cfg.seed)
     plans = require_plans(cfg, data.image_shape, data.num_classes)
     cascade = build_cascade(cfg, plans, data.num_classes, upto=len(cfg.stages) - 1)

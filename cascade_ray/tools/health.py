@@ -46,12 +46,12 @@ def load_upstream(cfg: PipelineConfig, index: int, path: str | None) -> tuple[di
         )
     want = cfg.stages[index - 1].name
     artifact, state = read_artifact(path)
-    if artifact.manifest.get("stage") != want:
+    if artifact.manifest.stage != want:
         raise ConfigError(
             [
                 ConfigIssue(
                     "--upstream",
-                    f"{path} is the artifact of stage {artifact.manifest.get('stage')!r}, but stage {cfg.stages[index].name!r} trains on {want!r}",
+                    f"{path} is the artifact of stage {artifact.manifest.stage!r}, but stage {cfg.stages[index].name!r} trains on {want!r}",
                     f"pass RUN_DIR/stages/{want}",
                 )
             ]

@@ -21,6 +21,7 @@ import yaml
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError
+from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import build_tuner, trial_config
@@ -59,11 +60,9 @@ class SweepRunner:
         outcome = sweep_stage(session, self.space, self.space_file, upstream, resume=self.resume)
         session.log(format_results(outcome, self.space.metric))
         cfg, record, handoff = adopt_best(session, index, upstream, outcome, started=started)
-        record["sweep"] = {
-            "results": str(outcome.results_path),
-            "best": str(outcome.best_yaml),
-            "trials": len(outcome.table),
-        }
+        record["sweep"] = SweepRecord(
+            results=str(outcome.results_path), best=str(outcome.best_yaml), trials=len(outcome.table)
+        ).to_json()
         return StageOutcome(record, handoff, cfg)
 
 

@@ -14,7 +14,8 @@ from paths import CONFIGS
 from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
 from cascade_ray.errors import FrozenDriftError, ResourceError
-from cascade_ray.pipeline.artifacts import read_artifact
+from cascade_ray.pipeline.artifacts import MANIFEST, read_artifact
+from cascade_ray.pipeline.records import read_manifest, read_summary
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,14 @@ def test_summary_lists_every_stage(debug_run):
     cfg, summary = debug_run
     on_disk = json.loads((Path(summary["storage"]) / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
+    typed = read_summary(Path(summary["storage"]) / "summary.json")  # every stage record validates
+    for record in typed.stages:
+        manifest = read_manifest(Path(record.artifact) / MANIFEST)
+        assert (manifest.stage, manifest.fingerprint, manifest.weights_sha256) == (
+            record.name,
+            record.fingerprint,
+            record.digest,
+        )
     assert [s["name"] for s in summary["stages"]] == ["features", "encoder", "classifier"]
     for stage, stage_cfg in zip(summary["stages"], cfg.stages):
         assert stage["num_workers"] == stage_cfg.scaling.num_workers

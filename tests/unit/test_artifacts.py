@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from run_records import manifest_fields
 
 from cascade_ray.errors import ArtifactError
 from cascade_ray.pipeline.artifacts import MANIFEST, WEIGHTS, frozen_changes, read_artifact, write_artifact
@@ -21,19 +22,19 @@ def _state():
 
 
 def test_round_trip_is_bit_exact_and_manifest_complete(tmp_path):
-    art = write_artifact(tmp_path / "stage", _state(), {"stage": "a", "metrics": {"val_accuracy": 0.5}})
+    art = write_artifact(tmp_path / "stage", _state(), manifest_fields("a"))
     loaded_art, loaded = read_artifact(tmp_path / "stage")
     assert not frozen_changes(_state(), loaded)
     manifest = json.loads((tmp_path / "stage" / MANIFEST).read_text())
     assert manifest["stage"] == "a" and set(manifest["tensor_digests"]) == set(_state())
-    assert manifest["weights_sha256"] == art.manifest["weights_sha256"] == loaded_art.manifest["weights_sha256"]
+    assert manifest["weights_sha256"] == art.manifest.weights_sha256 == loaded_art.manifest.weights_sha256
     assert not list(tmp_path.glob(".*tmp*")), "no temp folder left behind"
 
 
 def test_rewrite_replaces_atomically(tmp_path):
-    write_artifact(tmp_path / "stage", _state(), {"stage": "a"})
+    write_artifact(tmp_path / "stage", _state(), manifest_fields("a"))
     newer = {k: v + 1 for k, v in _state().items()}
-    write_artifact(tmp_path / "stage", newer, {"stage": "a"})
+    write_artifact(tmp_path / "stage", newer, manifest_fields("a"))
     _, loaded = read_artifact(tmp_path / "stage")
     assert not frozen_changes(newer, loaded)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stage"]
@@ -41,7 +42,7 @@ def test_rewrite_replaces_atomically(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
 def test_damaged_artifact_is_an_error_naming_the_file(tmp_path, damage):
-    write_artifact(tmp_path / "stage", _state(), {"stage": "a"})
+    write_artifact(tmp_path / "stage", _state(), manifest_fields("a"))
     weights = tmp_path / "stage" / WEIGHTS
     if damage == "truncate":
         weights.write_bytes(weights.read_bytes()[:-10])

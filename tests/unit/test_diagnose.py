@@ -6,6 +6,7 @@ import json
 
 import pytest
 from paths import CONFIGS
+from run_records import manifest_fields
 
 from cascade_ray.checks import load_config
 from cascade_ray.cli import main as cli_main
@@ -78,7 +79,7 @@ def test_upstream_artifact_is_loaded_and_checked(tmp_path, capsys):
     data = load_data(cfg.data, cfg.seed)
     model, _ = build_stage_model(cfg, 0, data, None)
     good = write_artifact(
-        tmp_path / "stages" / "features", to_numpy_state(model.state_dict()), {"stage": "features"}
+        tmp_path / "stages" / "features", to_numpy_state(model.state_dict()), manifest_fields("features")
     ).path
     report = diagnose(cfg, 1, data, steps=2, upstream=to_numpy_state(model.state_dict()), upstream_source=str(good))
     assert report["upstream"] == f"features: loaded from {good}" and report["verdict"]["ok"]

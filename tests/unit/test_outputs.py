@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -10,9 +9,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from paths import CONFIGS
+from run_records import run_summary, stage_record
 
 from cascade_ray.checks import load_config
 from cascade_ray.pipeline.outputs import METRICS_DIR, metric_rows, read_metrics, write_run_outputs
+from cascade_ray.pipeline.records import summary_text
 from cascade_ray.pipeline.tensorboard import write_tensorboard
 
 
@@ -59,28 +60,11 @@ def _write(tmp_path, log=print):
     ]
     labels = np.arange(20) % 10
     write_run_outputs(tmp_path, cfg, records, labels, labels, log=log)
-    (tmp_path / "summary.json").write_text(
-        json.dumps(
-            {
-                "name": "debug",
-                "test_accuracy": 1.0,
-                "test_loss": 0.1,
-                "storage": str(tmp_path),
-                "stages": [
-                    {
-                        "name": r["name"],
-                        "status": "trained",
-                        "metrics": r["history"][-1],
-                        "trainable_params": 1,
-                        "frozen_params": 0,
-                        "num_workers": 1,
-                        "wall_s": 1.0,
-                    }
-                    for r in records
-                ],
-            }
-        )
+    summary = run_summary(
+        [stage_record(r["name"], metrics=r["history"][-1], history=r["history"]) for r in records],
+        storage=str(tmp_path),
     )
+    (tmp_path / "summary.json").write_text(summary_text(summary))
 
 
 def test_metrics_parquet_has_step_rows_then_the_epoch_row_with_a_kind_column(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
+from run_records import manifest_fields
 
 from cascade_ray.errors import ArtifactError, ConfigError
 from cascade_ray.pipeline.artifacts import MANIFEST, WEIGHTS, frozen_changes, read_artifact, write_artifact
@@ -108,27 +109,27 @@ def uri_root(request, tmp_path):
 
 
 def test_artifact_round_trip_on_uri_storage(uri_root):
-    art = write_artifact(uri_root / "stages" / "a", _state(), {"stage": "a"})
+    art = write_artifact(uri_root / "stages" / "a", _state(), manifest_fields("a"))
     assert str(art.path) == str(uri_root / "stages" / "a")
     loaded_art, loaded = read_artifact(uri_root / "stages" / "a")
     assert not frozen_changes(_state(), loaded)
-    assert loaded_art.manifest["weights_sha256"] == art.manifest["weights_sha256"]
+    assert loaded_art.manifest.weights_sha256 == art.manifest.weights_sha256
     newer = {k: v + 1 for k, v in _state().items()}
-    write_artifact(uri_root / "stages" / "a", newer, {"stage": "a"})
+    write_artifact(uri_root / "stages" / "a", newer, manifest_fields("a"))
     assert not frozen_changes(newer, read_artifact(uri_root / "stages" / "a")[1])
     assert sorted(p.name for p in (uri_root / "stages" / "a").iterdir()) == sorted([MANIFEST, WEIGHTS])
 
 
 def test_damaged_or_half_written_uri_artifact_is_an_error(uri_root):
     path = uri_root / "stages" / "a"
-    write_artifact(path, _state(), {"stage": "a"})
+    write_artifact(path, _state(), manifest_fields("a"))
     data = bytearray((path / WEIGHTS).read_bytes())
     data[-1] ^= 0xFF
     (path / WEIGHTS).write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="sha256"):
         read_artifact(path)
     (path / MANIFEST).unlink()  # what an interrupted write leaves: weights without a manifest
-    with pytest.raises(ArtifactError, match="unreadable manifest.json"):
+    with pytest.raises(ArtifactError, match="manifest.json: unreadable"):
         read_artifact(path)
 
 
@@ -151,7 +152,7 @@ def test_staged_dir_lands_local_writers_files_on_any_storage(uri_root, tmp_path)
 
 
 def test_artifact_accepts_a_uri_string(tmp_path):
-    write_artifact(f"file://{tmp_path}/stage", _state(), {"stage": "a"})
+    write_artifact(f"file://{tmp_path}/stage", _state(), manifest_fields("a"))
     assert (tmp_path / "stage" / WEIGHTS).is_file()
     assert not frozen_changes(_state(), read_artifact(f"file://{tmp_path}/stage")[1])
 

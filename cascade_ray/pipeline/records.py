@@ -1,0 +1,201 @@
+"""Typed records of a run: the artifact manifest, each stage's record, and ``summary.json``.
+
+Files are written from these models (``model_dump(mode="json")``, unset optional blocks
+left out) and validated when read back: :func:`read_manifest` and :func:`read_summary`
+turn a damaged, truncated or foreign file into an :class:`~cascade_ray.errors.ArtifactError`
+naming the file and the key.
+
+Adding a field is one line on the model, optional with a default when older files
+lack it (``compile_s: float | None = Field(None, description="...")``). Fields that
+both the manifest and the stage record carry live once, on :class:`StageResult`; a
+reused stage's record copies every one of them from its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from cascade_ray.errors import ArtifactError
+from cascade_ray.storage import StorageDir
+
+MANIFEST_FIX = "the artifact is damaged or from another version: re-run the stage (without --resume) to retrain it"
+SUMMARY_FIX = "the run's summary is damaged or from another version: re-run the pipeline to write it again"
+
+
+def _has_val_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    for key in ("val_accuracy", "val_loss"):
+        value = metrics.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key!r} missing or not a number (found {value!r})")
+    return metrics
+
+
+class _Record(BaseModel):
+    """A record whose writer is ours: unknown keys are errors, not silently dropped.
+
+    NaN and infinite metrics stay ``NaN``/``Infinity`` in the JSON (as ``json.dumps`` writes
+    them), not ``null``.
+    """
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict; optional fields that are None are left out (older files never had them)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class StageResult(_Record):
+    """What a trained stage produced; carried by both its artifact manifest and its stage record."""
+
+    metrics: Annotated[dict[str, Any], AfterValidator(_has_val_metrics)] = Field(
+        description="Metrics of the best checkpoint's epoch (``val_accuracy``, ``val_loss``, ``train_loss``, lr, ...)."
+    )
+    history: list[dict[str, Any]] = Field(
+        description="One entry per epoch (its metrics), each with that epoch's per-step rows under ``steps``."
+    )
+    num_workers: int = Field(description="Ray Train workers the stage ran on.")
+    trainable_params: int = Field(description="Parameters the stage trained.")
+    frozen_params: int = Field(description="Parameters of the frozen upstream stages.")
+    fingerprint: str = Field(
+        description="sha256 of the stage config, parent fingerprint, data, seed and package version."
+    )
+    ray_run: str = Field(description="Name of the stage's Ray Train run under ``{run}/ray/`` (a sweep's best trial).")
+    precision: dict[str, Any] | None = Field(
+        default=None,
+        description="What the worker's device made of ``solver.precision``: requested, resolved, reason, hardware "
+        "(absent in artifacts written before precision auto).",
+    )
+    memory_format: str | None = Field(
+        default=None, description="``channels_last`` or ``contiguous``: the memory format the stage trained in."
+    )
+    compile: dict[str, Any] | None = Field(
+        default=None, description="``stages[i].compile``: status (compiled | eager), compile seconds, message."
+    )
+
+
+class ManifestFields(StageResult):
+    """The part of ``manifest.json`` a stage supplies; :func:`write_artifact` adds the integrity fields."""
+
+    stage: str = Field(description="Name of the stage the artifact is the output of.")
+    index: int = Field(description="Position of the stage in the pipeline, from 0.")
+    parent_fingerprint: str = Field(description="Fingerprint of the upstream stage; empty for the first stage.")
+    data_fingerprint: str = Field(description="Fingerprint of the data splits the stage trained on.")
+    frozen_digest: dict[str, str] = Field(description="State-dict key -> digest of every tensor frozen in the stage.")
+
+
+class Manifest(ManifestFields):
+    """``stages/<stage>/manifest.json``: what the artifact is, and how to verify its weights."""
+
+    cascade_ray_version: str = Field(description="Package version that wrote the artifact.")
+    weights_sha256: str = Field(description="sha256 of ``weights.safetensors``.")
+    tensor_digests: dict[str, str] = Field(description="State-dict key -> digest of every tensor in the file.")
+
+
+class FeatureCacheRecord(_Record):
+    """The cached upstream outputs a stage trained on."""
+
+    status: Literal["computed", "read"] = Field(description="Computed in this run, or read from the Parquet copy.")
+    shape: list[int] = Field(description="One sample's feature shape.")
+    path: str = Field(description="The Parquet copy in storage.")
+    seconds: float = Field(description="Wall time to compute or read the features.")
+
+
+class SweepRecord(_Record):
+    """Where a swept stage's Tune outputs are."""
+
+    results: str = Field(description="``results.parquet``: one row per trial, best first.")
+    best: str = Field(description="``best.yaml``: the best trial's values as config overrides.")
+    trials: int = Field(description="Trials that reported the metric.")
+
+
+class StageRecord(StageResult):
+    """One stage's entry in ``summary.json`` (and what :class:`StageSession` returns per stage)."""
+
+    name: str = Field(description="Stage name.")
+    type: str = Field(description="Stage type (``stages[i].type``).")
+    status: Literal["trained", "reused", "tuned"] = Field(
+        description="Trained in this run, reused from a matching artifact (``--resume``), or the best trial of a sweep."
+    )
+    wall_s: float = Field(description="Seconds from the stage's start to its artifact written; 0 when reused.")
+    artifact: str = Field(description="The stage's artifact folder.")
+    digest: str = Field(description="sha256 of the artifact's ``weights.safetensors``.")
+    feature_cache: FeatureCacheRecord | None = Field(None, description="Set when the stage trained on cached inputs.")
+    sweep: SweepRecord | None = Field(None, description="Set when the stage was swept with Ray Tune.")
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, **fields: Any) -> StageRecord:
+        """The record of the stage `manifest` describes; `fields` are the record's own (name, status, ...)."""
+        shared = {k: getattr(manifest, k) for k in StageResult.model_fields}
+        return cls(**shared, digest=manifest.weights_sha256, **fields)
+
+
+class RunSummary(_Record):
+    """``{storage_path}/{name}/summary.json``: every stage and the composed model on the test split."""
+
+    name: str = Field(description="The pipeline's name (``name`` in the config).")
+    test_accuracy: float = Field(description="Accuracy of the composed model (last head) on the test split.")
+    test_loss: float = Field(description="Mean cross-entropy of the composed model on the test split.")
+    stages: list[StageRecord] = Field(min_length=1, description="One record per stage, in pipeline order.")
+    storage: str = Field(description="The run's folder, ``{storage_path}/{name}``.")
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _problem(exc: ValidationError) -> str:
+    """The first problem pydantic found, in words, and how many more there are."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    where, kind = _where(first["loc"]), first["type"]
+    if kind == "json_invalid":
+        text = f"not JSON ({first['msg'].removeprefix('Invalid JSON: ')})"
+    elif kind == "model_type" and not first["loc"]:
+        text = f"expected a JSON object, found {type(first['input']).__name__}"
+    elif kind == "missing":
+        text = f"{where!r} missing"
+    elif kind == "extra_forbidden":
+        text = f"unexpected key {where!r}"
+    elif kind == "value_error":
+        text = f"{where!r}: {first['msg']}"
+    else:
+        found = repr(first.get("input"))
+        text = f"{where!r}: {first['msg']} (found {found[:60] + '...' if len(found) > 60 else found})"
+    return text + (f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else "")
+
+
+def _read(path: StorageDir, model: type[_Record], fix: str) -> Any:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: unreadable ({exc}); {fix}") from None
+    try:
+        return model.model_validate_json(text, strict=True)
+    except ValidationError as exc:
+        raise ArtifactError(f"{path}: {_problem(exc)}; {fix}") from None
+
+
+def read_manifest(path: StorageDir) -> Manifest:
+    """A ``manifest.json``, validated; :class:`ArtifactError` naming the file and the bad key otherwise."""
+    return _read(path, Manifest, MANIFEST_FIX)
+
+
+def read_summary(path: StorageDir) -> RunSummary:
+    """A ``summary.json``, validated; :class:`ArtifactError` naming the file and the bad key otherwise."""
+    return _read(path, RunSummary, SUMMARY_FIX)
+
+
+def manifest_text(manifest: Manifest) -> str:
+    """``manifest.json``'s content."""
+    return json.dumps(manifest.to_json(), indent=2, sort_keys=True)
+
+
+def summary_text(summary: RunSummary) -> str:
+    """``summary.json``'s content."""
+    return json.dumps(summary.to_json(), indent=2)
