@@ -187,3 +187,33 @@ def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
     manifest = read_manifest(Path(first.artifact) / MANIFEST)
     assert (manifest.stage, manifest.index, manifest.weights_sha256) == ("features", 0, first.digest)
     assert StageRecord.model_validate(trained) == first  # the dict the driver gets is the model's JSON form
+
+
+def test_device_decisions_ride_in_manifest_and_record_and_older_artifacts_still_read():
+    """precision / memory_format / compile are optional shared fields: set, they reach the record;
+    absent (an artifact written before precision auto), the manifest still validates."""
+    from cascade_ray.pipeline.records import Manifest, StageRecord
+
+    base = {
+        "metrics": {"val_accuracy": 0.9, "val_loss": 0.3},
+        "history": [],
+        "num_workers": 1,
+        "trainable_params": 10,
+        "frozen_params": 0,
+        "fingerprint": "f",
+        "ray_run": "r",
+        "stage": "features",
+        "index": 0,
+        "parent_fingerprint": "",
+        "data_fingerprint": "d",
+        "frozen_digest": {},
+        "cascade_ray_version": "0.1.0",
+        "weights_sha256": "w",
+        "tensor_digests": {},
+    }
+    old = Manifest.model_validate(base)
+    assert old.precision is None and "precision" not in old.to_json()
+    choice = {"requested": "auto", "resolved": "fp32", "reason": "CPU AVX2: bf16 would be emulated"}
+    new = Manifest.model_validate({**base, "precision": choice, "memory_format": "contiguous"})
+    record = StageRecord.from_manifest(new, name="features", type="module", status="reused", wall_s=0.0, artifact="a")
+    assert record.to_json()["precision"] == choice and record.memory_format == "contiguous"
