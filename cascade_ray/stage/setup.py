@@ -147,9 +147,12 @@ def setup_stage(
     # implies; both act in place, so the parameters below are the ones the optimizer steps
     hw = hardware if hardware is not None else detect_hardware(device)
     precision = build_precision(solver, device, f"{path}.solver", make_scaler, hw)
-    memory_format, format_why = choose_memory_format(stage, hw, precision.name, model)
+    # decided by the stage's own module (a Transformer over frozen ResNet features has no convolution
+    # of its own); a joint stage trains every module, so all of them count
+    own = model.blocks[stage.name] if stage.name in model.blocks else model  # noqa: SIM401 - ModuleDict has no get()
+    memory_format, format_why = choose_memory_format(stage, hw, precision.name, own)
     if memory_format == "channels_last":
-        model.to(memory_format=torch.channels_last)  # in place: the same Parameter objects
+        own.to(memory_format=torch.channels_last)  # in place: the same Parameter objects
     compiled = _compile(model, stage, path, device) if stage.compile else None
 
     # the loss: which heads, how each is weighted, and the learned log-variances of

@@ -200,3 +200,16 @@ def _digits(cfg):
     from cascade_ray.data.source import load_data
 
     return load_data(cfg.data, cfg.seed)
+
+
+def test_memory_format_is_decided_by_the_stages_own_module():
+    """The encoder sits on a frozen ResNet but has no convolution of its own: contiguous, said so."""
+    from cascade_ray.stage.setup import setup_stage
+
+    cfg = _cfg()
+    encoder = setup_stage(cfg, 1, _digits(cfg), None, CPU, hardware=AVX2)
+    assert (encoder.memory_format, encoder.memory_format_reason) == ("contiguous", "no 2-D convolutions")
+    assert "memory format contiguous (no 2-D convolutions)" in encoder.precision_line()
+    features = setup_stage(cfg, 0, _digits(cfg), None, CPU, hardware=AVX2)
+    assert features.memory_format == "channels_last"
+    assert features.model.blocks["features"].stem[0].weight.is_contiguous(memory_format=torch.channels_last)
