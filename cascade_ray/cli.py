@@ -112,6 +112,18 @@ def run_options(args: argparse.Namespace, cfg: PipelineConfig) -> RunOptions:
     )
 
 
+def _add_in_process_args(p: argparse.ArgumentParser) -> None:
+    """``--upstream`` and ``--device`` of the tools that run one stage in this process (diagnose, lr-find)."""
+    p.add_argument(
+        "--upstream",
+        default=None,
+        help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized",
+    )
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cascade-ray", description="Train a model in stages on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,14 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.profiler trace of steps 5-9 to profile/<stage>.trace.json, top operators in the report",
     )
-    p.add_argument(
-        "--upstream",
-        default=None,
-        help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized",
-    )
-    p.add_argument(
-        "--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)"
-    )
+    _add_in_process_args(p)
     p = sub.add_parser(
         "lr-find", help="exponential lr range test of one stage (no Ray); writes a PNG and prints the suggested lr"
     )
@@ -164,14 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of the test (default 200)")
     p.add_argument("--start-lr", type=float, default=1e-7, help="first lr (default 1e-7)")
     p.add_argument("--end-lr", type=float, default=10.0, help="last lr (default 10)")
-    p.add_argument(
-        "--upstream",
-        default=None,
-        help="artifact of the previous stage (RUN_DIR/stages/<stage>); default: upstream freshly initialized",
-    )
-    p.add_argument(
-        "--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)"
-    )
+    _add_in_process_args(p)
     p = sub.add_parser(
         "report", help="PNG curves per stage, the composed model's confusion matrix and report.md of a finished run"
     )

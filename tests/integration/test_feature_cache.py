@@ -18,9 +18,14 @@ from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.features import compute_features, upstream_outputs
 
+# The encoder pinned to fp32: the cache is computed in fp32, while without the cache the upstream
+# runs inside the stage's autocast; under precision auto that is bf16 on a CPU with AVX512-BF16,
+# and the cached-vs-uncached comparison below would measure bf16 rounding, not the cache.
+PINNED = ["stages.encoder.solver.precision=fp32"]
+
 
 def _run(storage: Path, overrides: list[str] = (), **kwargs):
-    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}", *overrides])
+    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={storage}", *PINNED, *overrides])
     lines: list[str] = []
     summary = run_pipeline(cfg, RunOptions(**kwargs), log=lines.append)
     return cfg, summary, lines
