@@ -133,27 +133,14 @@ def export_run(run: str | Path, fmt: str, quantize: str | None = None) -> dict[s
 
 def _export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> str:
     """torch.export-based ONNX export, falling back to the TorchScript-based exporter."""
+    names = {"input_names": ["images"], "output_names": ["logits"]}
     try:
         torch.onnx.export(
-            model,
-            (example,),
-            str(path),
-            input_names=["images"],
-            output_names=["logits"],
-            dynamic_shapes=({0: torch.export.Dim("batch")},),
-            dynamo=True,
+            model, (example,), str(path), **names, dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True
         )
         return "dynamo"
     except Exception:  # noqa: BLE001 - some user modules do not trace with torch.export
-        torch.onnx.export(
-            model,
-            (example,),
-            str(path),
-            input_names=["images"],
-            output_names=["logits"],
-            dynamic_axes={"images": {0: "batch"}},
-            dynamo=False,
-        )
+        torch.onnx.export(model, (example,), str(path), **names, dynamic_axes={"images": {0: "batch"}}, dynamo=False)
         return "torchscript"
 
 
