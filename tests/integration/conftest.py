@@ -19,6 +19,8 @@ def ray_session():
     env = apply_ray_env_defaults()
     # workers import test-only user models (tests/support) by `module:Callable`
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SUPPORT, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, runtime_env={"env_vars": env | {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    # the S3 fixture's endpoint and keys, when a module uses it (workers read storage too)
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    ray.init(num_cpus=2, runtime_env={"env_vars": env | aws | {"PYTHONPATH": os.environ["PYTHONPATH"]}})
     yield ray
     ray.shutdown()
