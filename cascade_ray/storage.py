@@ -18,6 +18,7 @@ On a cluster of more than one machine every worker writes its checkpoints to
 from __future__ import annotations
 
 import fnmatch
+import glob
 import os
 import re
 import shutil
@@ -26,7 +27,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from cascade_ray.errors import ConfigError, ConfigIssue
 
@@ -81,6 +84,17 @@ LOCAL_FS_TYPES = frozenset(
     }
 )
 
+# URI query options that carry credentials (pyarrow's S3/GCS options): kept for the filesystem,
+# never shown (str(), logs, summaries, error messages)
+SECRET_OPTIONS = frozenset({"access_key", "secret_key", "session_token", "access_token", "credentials", "password"})
+GLOB_CHARS = frozenset("*?[")
+
+STORAGE_ACCESS_FIX = (
+    "check the URI, and that this process (and the Ray workers, through runtime_env env_vars) can reach it: for "
+    "s3:// set AWS_ENDPOINT_URL (S3-compatible servers), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile / "
+    "instance role) and AWS_DEFAULT_REGION; for gs:// GOOGLE_APPLICATION_CREDENTIALS or workload identity"
+)
+
 SHARED_STORAGE_FIX = (
     "point storage_path at storage every node reaches: s3://bucket/prefix, gs://bucket/prefix, or a "
     "shared (NFS, Lustre, ...) folder mounted at the same path on every node"
@@ -90,39 +104,53 @@ SHARED_STORAGE_FIX = (
 class UriPath:
     """A file or folder on a pyarrow filesystem, with the pathlib methods the pipeline uses.
 
-    ``str()`` is the URI (what Ray Train's ``storage_path`` takes). The filesystem is
-    created on first use (``FileSystem.from_uri``), so building and joining paths needs
-    no network; tests pass their own `fs`.
+    :attr:`uri` is the full URI, credentials included (what Ray Train's ``storage_path`` and
+    ``pyarrow`` take); ``str()`` is the same URI without credentials (``user:secret@`` and
+    the query's key/secret/token options), for logs, summaries and error messages. The
+    filesystem is created on first use (``FileSystem.from_uri``), so building and joining
+    paths needs no network; tests pass their own `fs`.
     """
 
-    __slots__ = ("scheme", "path", "query", "_fs")
+    __slots__ = ("scheme", "path", "query", "auth", "_fs")
 
-    def __init__(self, scheme: str, path: str, query: str = "", fs: pafs.FileSystem | None = None):
+    def __init__(self, scheme: str, path: str, query: str = "", fs: pafs.FileSystem | None = None, *, auth: str = ""):
         self.scheme = scheme
         self.path = path.rstrip("/") or "/"
         self.query = query
+        self.auth = auth  # "user:secret" of scheme://user:secret@bucket/..., "" when none
         self._fs = fs
 
     @property
     def fs(self) -> pafs.FileSystem:
         if self._fs is None:
-            self._fs = pafs.FileSystem.from_uri(str(self))[0]
+            self._fs = pafs.FileSystem.from_uri(self.uri)[0]
         return self._fs
 
+    @property
+    def uri(self) -> str:
+        """The full URI, credentials included: only for pyarrow and Ray, never for display."""
+        return f"{self.scheme}://{self.auth + '@' if self.auth else ''}{self.path}" + (
+            f"?{self.query}" if self.query else ""
+        )
+
     def __str__(self) -> str:
-        return f"{self.scheme}://{self.path}" + (f"?{self.query}" if self.query else "")
+        public = "&".join(o for o in self.query.split("&") if o and o.split("=", 1)[0] not in SECRET_OPTIONS)
+        return f"{self.scheme}://{self.path}" + (f"?{public}" if public else "")
 
     def __repr__(self) -> str:
         return f"UriPath({str(self)!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, UriPath) and str(self) == str(other)
+        return isinstance(other, UriPath) and self.uri == other.uri
 
     def __hash__(self) -> int:
-        return hash(str(self))
+        return hash(self.uri)
 
     def __truediv__(self, part: str) -> UriPath:
-        return UriPath(self.scheme, f"{self.path}/{str(part).strip('/')}", self.query, self._fs)
+        return UriPath(self.scheme, f"{self.path}/{str(part).strip('/')}", self.query, self._fs, auth=self.auth)
+
+    def _at(self, path: str) -> UriPath:
+        return UriPath(self.scheme, path, self.query, self._fs, auth=self.auth)
 
     @property
     def name(self) -> str:
@@ -131,7 +159,7 @@ class UriPath:
     @property
     def parent(self) -> UriPath:
         head, sep, _ = self.path.rpartition("/")
-        return UriPath(self.scheme, head or "/", self.query, self._fs) if sep else self  # a bucket is its own parent
+        return self._at(head or "/") if sep else self  # a bucket is its own parent
 
     def _type(self) -> pafs.FileType:
         return self.fs.get_file_info(self.path).type
@@ -152,7 +180,15 @@ class UriPath:
 
     def iterdir(self) -> Iterator[UriPath]:
         for info in self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True)):
-            yield UriPath(self.scheme, info.path, self.query, self._fs)
+            yield self._at(info.path)
+
+    def rglob(self, pattern: str) -> Iterator[UriPath]:
+        """Files anywhere below whose path relative to this folder matches `pattern` (``*`` spans ``/``)."""
+        selector = pafs.FileSelector(self.path, recursive=True, allow_not_found=True)
+        for info in self.fs.get_file_info(selector):
+            rel = info.path[len(self.path) :].lstrip("/")
+            if info.type == pafs.FileType.File and fnmatch.fnmatchcase(rel, pattern):
+                yield self._at(info.path)
 
     def glob(self, pattern: str) -> Iterator[UriPath]:
         """Direct children whose name matches `pattern` (no ``/`` or ``**``)."""
@@ -190,12 +226,19 @@ class UriPath:
             return
         self.fs.delete_file(self.path)
 
+    def rmtree(self) -> None:
+        """Delete this folder and everything under it (nothing when it does not exist)."""
+        if self.exists():
+            self.fs.delete_dir(self.path)
+
 
 StorageDir = Path | UriPath
 
 
-def parse_uri(uri: str) -> UriPath | None:
+def parse_uri(uri: str, key: str = "storage_path") -> UriPath | None:
     """A :class:`UriPath` for ``scheme://...``, None for a plain local path.
+
+    `key` is the config key or flag the URI came from, for the error.
 
     Raises:
         ConfigError: an unsupported scheme, a ``file://`` URI that is not absolute, or a
@@ -205,12 +248,16 @@ def parse_uri(uri: str) -> UriPath | None:
     if m is None:
         return None
     scheme, rest, query = m["scheme"].lower(), m["rest"], m["query"] or ""
+    auth = ""
+    if "@" in rest.split("/", 1)[0]:  # scheme://user:secret@bucket/...: kept apart, never shown
+        auth, rest = rest.split("@", 1)
+    shown = f"{scheme}://{rest}"
     if scheme not in URI_SCHEMES:
         raise ConfigError(
             [
                 ConfigIssue(
-                    "storage_path",
-                    f"unsupported URI scheme {scheme!r} in {uri!r}",
+                    key,
+                    f"unsupported URI scheme {scheme!r} in {shown!r}",
                     f"use a local path or one of {', '.join(s + '://' for s in URI_SCHEMES)}",
                 )
             ]
@@ -222,16 +269,91 @@ def parse_uri(uri: str) -> UriPath | None:
             raise ConfigError(
                 [
                     ConfigIssue(
-                        "storage_path",
-                        f"{uri!r} is not an absolute file:// URI",
+                        key,
+                        f"{shown!r} is not an absolute file:// URI",
                         "write file:///absolute/path (three slashes)",
                     )
                 ]
             )
         return UriPath("file", os.path.normpath(path), query)
     if not rest.strip("/"):
-        raise ConfigError([ConfigIssue("storage_path", f"{uri!r} names no bucket", f"write {scheme}://bucket/prefix")])
-    return UriPath(scheme, rest.strip("/"), query)
+        raise ConfigError([ConfigIssue(key, f"{shown!r} names no bucket", f"write {scheme}://bucket/prefix")])
+    return UriPath(scheme, rest.strip("/"), query, auth=auth)
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of any URI in it removed (``user:secret@`` and key/secret/token
+    query options), for messages that quote a path as the user gave it."""
+
+    def public(m: re.Match) -> str:
+        try:
+            uri = parse_uri(m.group(0))
+        except ConfigError:
+            return m.group(0)
+        return str(uri) if uri is not None else m.group(0)
+
+    return re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+", public, text)
+
+
+def as_storage(path: str | os.PathLike | StorageDir, key: str = "storage_path") -> StorageDir:
+    """A folder or file named on the command line or in a record: a :class:`UriPath` for a URI,
+    else a local :class:`Path` with ``~`` expanded."""
+    if isinstance(path, UriPath):
+        return path
+    if isinstance(path, Path):
+        return path.expanduser()
+    return parse_uri(os.fspath(path), key) or Path(os.fspath(path)).expanduser()
+
+
+def full_uri(path: StorageDir) -> str:
+    """What Ray and pyarrow take: the full URI (credentials included), or the local path."""
+    return path.uri if isinstance(path, UriPath) else str(path)
+
+
+def read_table(path: StorageDir, **kwargs) -> pa.Table:
+    """``pq.read_table`` of a local file or one on a pyarrow filesystem."""
+    if isinstance(path, UriPath):
+        return pq.read_table(path.path, filesystem=path.fs, **kwargs)
+    return pq.read_table(path, **kwargs)
+
+
+def write_table(table: pa.Table, path: StorageDir) -> None:
+    """``pq.write_table`` to a local file (parents created) or one on a pyarrow filesystem."""
+    if isinstance(path, UriPath):
+        with path.open("wb") as sink:
+            pq.write_table(table, sink)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def rmtree(path: StorageDir) -> None:
+    """Delete a folder and everything under it, local or on a pyarrow filesystem (no error when absent)."""
+    if isinstance(path, UriPath):
+        path.rmtree()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def resolve_files(spec: str | os.PathLike, suffix: str = ".parquet") -> list[StorageDir]:
+    """A file, every ``*<suffix>`` file under a folder or prefix, or the files a glob matches
+    (``**`` spans folders), local or on a URI; sorted, so the row order is deterministic.
+    Empty when nothing matches."""
+    where = as_storage(spec, "data.path")
+    text = where.path if isinstance(where, UriPath) else str(where)
+    if any(c in GLOB_CHARS for c in text):
+        parts = text.split("/")
+        fixed = next(i for i, part in enumerate(parts) if any(c in GLOB_CHARS for c in part))
+        base_text, pattern = "/".join(parts[:fixed]) or "/", "/".join(parts[fixed:])
+        if isinstance(where, UriPath):
+            base = where._at(base_text)
+            return sorted((f for f in base.rglob(pattern)), key=str)
+        return sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+    if where.is_dir():
+        if isinstance(where, UriPath):
+            return sorted(where.rglob(f"*{suffix}"), key=str)
+        return sorted(p for p in where.rglob(f"*{suffix}") if p.is_file())
+    return [where] if where.is_file() else []
 
 
 def in_ray_job() -> bool:

@@ -7,17 +7,16 @@ The image column is a (fixed-size) list of numbers, or an ``arrow.fixed_shape_te
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from cascade_ray.data.splits import (
@@ -27,28 +26,30 @@ from cascade_ray.data.splits import (
     validate_splits,
 )
 from cascade_ray.errors import DataError
+from cascade_ray.storage import STORAGE_ACCESS_FIX, UriPath, as_storage, redact, resolve_files, write_table
 
 SHAPE_METADATA_KEY = b"cascade_ray.image_shape"
 _SHAPE_KEY_TEXT = SHAPE_METADATA_KEY.decode()
 _LIST_TYPES = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
 
 
-def _resolve_files(path: str | os.PathLike, knob: str) -> list[str]:
-    """A file, every ``*.parquet`` under a directory, or the files a glob matches; sorted
-    so the row order (and with it every seeded split) is reproducible."""
-    p = os.fspath(path)
-    if any(c in p for c in "*?["):
-        files = [f for f in glob.glob(p, recursive=True) if os.path.isfile(f)]
-    elif os.path.isdir(p):
-        files = glob.glob(os.path.join(p, "**", "*.parquet"), recursive=True)
-    else:
-        files = [p] if os.path.isfile(p) else []
+def _resolve_files(path: str | os.PathLike, knob: str) -> tuple[list[str], pafs.FileSystem | None]:
+    """A file, every ``*.parquet`` under a folder or prefix, or the files a glob matches, local
+    or on a URI (``s3://``, ``gs://``, ``file://``: :func:`cascade_ray.storage.resolve_files`);
+    sorted so the row order (and with it every seeded split) is reproducible. Returns the
+    paths and their filesystem (None: local)."""
+    try:
+        files = resolve_files(path)
+    except OSError as exc:
+        raise DataError(f"{knob}: cannot list {redact(os.fspath(path))!r} ({exc}); {STORAGE_ACCESS_FIX}") from exc
     if not files:
         raise DataError(
-            f"{knob}: no parquet file matches {p!r}; point it at a .parquet file, a folder "
-            "holding *.parquet files, or a glob such as 'data/train-*.parquet'"
+            f"{knob}: no parquet file matches {redact(os.fspath(path))!r}; point it at a .parquet file, a folder "
+            "(or object-store prefix) holding *.parquet files, or a glob such as 'data/train-*.parquet'"
         )
-    return sorted(files)
+    if isinstance(files[0], UriPath):
+        return [f.path for f in files], files[0].fs
+    return [str(f) for f in files], None
 
 
 def _check_shape(shape: Sequence[int], flat_size: int, where: str) -> tuple[int, int, int]:
@@ -130,10 +131,10 @@ def _read(
     label_column: str,
     image_shape: Sequence[int] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    files = _resolve_files(path, knob)
-    where = f"{knob}={os.fspath(path)!r}"
+    files, fs = _resolve_files(path, knob)
+    where = f"{knob}={redact(os.fspath(path))!r}"
     try:
-        dataset = ds.dataset(files, format="parquet")
+        dataset = ds.dataset(files, format="parquet", filesystem=fs)
         missing = [c for c in (image_column, label_column) if c not in dataset.schema.names]
         if missing:
             raise DataError(
@@ -142,7 +143,7 @@ def _read(
             )
         table = dataset.to_table(columns=[image_column, label_column])
         # Footers only: cheap, and catches files written with different image shapes.
-        metas = {(pq.read_schema(f).metadata or {}).get(SHAPE_METADATA_KEY) for f in files}
+        metas = {(pq.read_schema(f, filesystem=fs).metadata or {}).get(SHAPE_METADATA_KEY) for f in files}
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{where}: cannot read parquet ({exc}); the files are corrupt or their schemas differ") from exc
     if len(metas) > 1:
@@ -222,7 +223,7 @@ def load_parquet(
         num_classes=num_classes,
         mean=mean,
         std=std,
-        source=f"parquet:{os.fspath(path)}",
+        source=f"parquet:{redact(os.fspath(path))}",
     )
     validate_splits(splits)
     return splits
@@ -253,5 +254,4 @@ def write_parquet(
     table = pa.table({image_column: images, label_column: pa.array(y.astype(np.int64))})
     shape_json = json.dumps([int(d) for d in x.shape[1:]]).encode()
     table = table.replace_schema_metadata({SHAPE_METADATA_KEY: shape_json})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+    write_table(table, as_storage(path, "path"))

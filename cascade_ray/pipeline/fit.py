@@ -22,7 +22,7 @@ from cascade_ray.pipeline.trainer import StageTrainer
 from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status
 from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
-from cascade_ray.storage import StorageDir
+from cascade_ray.storage import StorageDir, full_uri
 
 
 def unique_run_name(ray_dir: StorageDir, stage: StageConfig, index: int, fingerprint: str) -> str:
@@ -257,7 +257,7 @@ def fit_stage(
         ),
         run_config=ray.train.RunConfig(
             name=run_name,
-            storage_path=str(ray_dir),
+            storage_path=full_uri(ray_dir),
             callbacks=callbacks,
             logging_config=train_logging_config(
                 options.log_level

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.storage import StorageDir, read_table, redact
 
 CONFIG_FILE = "config.yaml"
 METRICS_DIR = "metrics"
@@ -39,7 +40,9 @@ def write_run_outputs(
     from cascade_ray.pipeline.tensorboard import write_tensorboard
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    resolved = cfg.model_dump(mode="json")
+    resolved["storage_path"] = redact(resolved["storage_path"])  # credentials in a URI stay out of files
+    (out / CONFIG_FILE).write_text(yaml.safe_dump(resolved, sort_keys=False))
     (out / METRICS_DIR).mkdir(exist_ok=True)
     tables = {}
     for record in records:
@@ -69,12 +72,13 @@ def _table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.table({c: [row.get(c) for row in rows] for c in columns})
 
 
-def read_metrics(run: Path) -> dict[str, list[dict[str, Any]]]:
+def read_metrics(run: StorageDir) -> dict[str, list[dict[str, Any]]]:
     """Stage name -> its metric rows (step and epoch rows, see ``kind``), in training order of the files present."""
-    return {p.stem: pq.read_table(p).to_pylist() for p in sorted((run / METRICS_DIR).glob("*.parquet"))}
+    files = sorted((run / METRICS_DIR).glob("*.parquet"), key=lambda p: p.name)
+    return {p.name.removesuffix(".parquet"): read_table(p).to_pylist() for p in files}
 
 
-def read_predictions(run: Path) -> tuple[np.ndarray, np.ndarray]:
+def read_predictions(run: StorageDir) -> tuple[np.ndarray, np.ndarray]:
     """(labels, predictions) of the composed model on the test split."""
-    table = pq.read_table(run / PREDICTIONS_FILE)
+    table = read_table(run / PREDICTIONS_FILE)
     return table["label"].to_numpy(), table["prediction"].to_numpy()

@@ -7,12 +7,13 @@ profiler plugin reads it too). Only rank 0 profiles.
 
 ``cascade-ray diagnose --profile`` profiles in-process; ``cascade-ray run --profile [STAGE]``
 puts the checked stage names in :class:`~cascade_ray.options.RunOptions`, and ``fit_stage``
-tells the stage's workers where to write (:func:`trace_path_for`): ``{run}/profile/<stage>.trace.json`` when storage is local,
-else a local folder on the worker's node (the summary says which).
+tells the stage's workers where to write (:func:`trace_path_for`): ``{run}/profile/<stage>.trace.json``,
+on local storage or a URI (exported to a local temp file on the worker's node, then uploaded).
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.stage.hooks import LoopHooks, LoopState
+from cascade_ray.storage import as_storage, full_uri, local_path
 
 PROFILE_WAIT_STEPS, PROFILE_WARMUP_STEPS, PROFILE_ACTIVE_STEPS = 2, 2, 5
 PROFILE_DIR = "profile"
@@ -55,13 +57,11 @@ def check_profile_stages(cfg: PipelineConfig, value: str) -> set[str]:
 
 def trace_path_for(stage: str, run_dir: Any, profile: frozenset[str]) -> str:
     """Where a stage's workers write its trace: "" when `stage` is not in `profile` (the run's
-    ``--profile`` stages); under a local run dir, or a local temp folder on the worker's node for
-    URI storage."""
+    ``--profile`` stages), else ``{run}/profile/<stage>.trace.json`` as a local path or a full URI
+    (the worker writes a local file, then uploads it)."""
     if stage not in profile:
         return ""
-    if isinstance(run_dir, Path):
-        return str(run_dir / PROFILE_DIR / f"{stage}.trace.json")
-    return str(Path(tempfile.gettempdir()) / "cascade-ray-profile" / Path(str(run_dir)).name / f"{stage}.trace.json")
+    return full_uri(as_storage(run_dir) / PROFILE_DIR / f"{stage}.trace.json")
 
 
 class StepProfiler:
@@ -85,7 +85,11 @@ class StepProfiler:
         warmup: int = PROFILE_WARMUP_STEPS,
         active: int = PROFILE_ACTIVE_STEPS,
     ):
-        self.path, self.device, self.stage, self.where = Path(trace_path), device, stage, where
+        self.target = as_storage(trace_path, "--profile")
+        local = local_path(self.target)
+        self.remote = local is None  # object storage: exported to a local temp file, then uploaded
+        self.path = local or Path(tempfile.mkdtemp(prefix="cascade-ray-profile-")) / f"{stage}.trace.json"
+        self.device, self.stage, self.where = device, stage, "" if self.remote else where
         self.wait, self.warmup, self.active = wait, warmup, active
         self.prof: torch.profiler.profile | None = None
         self.steps = 0
@@ -113,6 +117,9 @@ class StepProfiler:
     def _ready(self, prof: torch.profiler.profile) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))
+        if self.remote:
+            with self.path.open("rb") as src, self.target.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
         recorded = max(0, min(self.active, self.steps - self.wait - self.warmup))
         from torch.autograd.profiler_util import EventList
 
@@ -123,7 +130,7 @@ class StepProfiler:
             tables.append(ops.table(sort_by="self_cuda_time_total", row_limit=TOP_OPERATORS))
         self.summary = (
             f"profile of stage {self.stage!r}: {recorded} optimizer step(s) recorded after {self.wait} skipped and {self.warmup} warm-up; "
-            f"trace {self.path}{self.where} (open in https://ui.perfetto.dev or chrome://tracing)\n"
+            f"trace {self.target}{self.where} (open in https://ui.perfetto.dev or chrome://tracing)\n"
             f"top {TOP_OPERATORS} operators by self CPU time{' (then by self CUDA time)' if len(tables) > 1 else ''}:\n"
             + "\n".join(tables)
         )

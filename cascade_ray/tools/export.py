@@ -27,6 +27,7 @@ from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.outputs import CONFIG_FILE
 from cascade_ray.pipeline.records import read_summary
+from cascade_ray.storage import StorageDir, as_storage, local_copy, staged_dir
 
 EXPORT_DIR = "export"
 PARITY_SAMPLES = 1000
@@ -46,16 +47,20 @@ class ComposedClassifier(nn.Module):
         return self.cascade((images - self.mean) / self.std, heads=[self.head])[self.head]
 
 
-def load_composed(run: str | Path) -> tuple[ComposedClassifier, Any]:
-    """The composed model of a finished run (verified artifact) and the run's data splits."""
-    run = Path(run).expanduser()
+def load_composed(run: str | StorageDir) -> tuple[ComposedClassifier, Any]:
+    """The composed model of a finished run (verified artifact) and the run's data splits.
+
+    `run` is ``{storage_path}/{name}``, a local folder or a URI; the last stage's artifact is
+    read from ``{run}/stages/<stage>``, wherever the run was written from."""
+    run = as_storage(run, "run_dir")
     if not (run / CONFIG_FILE).is_file() or not (run / "summary.json").is_file():
         raise CascadeError(
             f"{run} is not a finished run (no {CONFIG_FILE} / summary.json): pass {{storage_path}}/{{name}}"
         )
-    cfg = load_config(run / CONFIG_FILE)
+    with local_copy(run / CONFIG_FILE) as config_file:
+        cfg = load_config(config_file)
     summary = read_summary(run / "summary.json")
-    _, state = read_artifact(summary.stages[-1].artifact)
+    _, state = read_artifact(run / "stages" / summary.stages[-1].name)
     data = load_data(cfg.data, cfg.seed)
     plans = require_plans(cfg, data.image_shape, data.num_classes)
     cascade = build_cascade(cfg, plans, data.num_classes, upto=len(cfg.stages) - 1)
@@ -93,12 +98,18 @@ def _accuracy(fn: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> floa
 
 
 @torch.no_grad()
-def export_run(run: str | Path, fmt: str, quantize: str | None = None) -> dict[str, Any]:
-    """Export the run's composed model; return paths and the measured parity/accuracy figures."""
-    run = Path(run).expanduser()
+def export_run(run: str | StorageDir, fmt: str, quantize: str | None = None) -> dict[str, Any]:
+    """Export the run's composed model to ``{run}/export/``; return paths and the measured
+    parity/accuracy figures. On object storage the files are written locally, then uploaded."""
+    run = as_storage(run, "run_dir")
     model, data = load_composed(run)
-    out = run / EXPORT_DIR
-    out.mkdir(exist_ok=True)
+    with staged_dir(run / EXPORT_DIR) as out:
+        report = _export(model, data, out, fmt, quantize)
+    report["path"] = str(run / EXPORT_DIR / Path(report["path"]).name)
+    return report
+
+
+def _export(model: ComposedClassifier, data: Any, out: Path, fmt: str, quantize: str | None) -> dict[str, Any]:
     parity = _batches(data, PARITY_SAMPLES)
     example = parity[0][0][:2]
     report: dict[str, Any] = {"format": fmt, "eager_test_accuracy": _accuracy(model, _batches(data))}

@@ -14,6 +14,7 @@ import torch
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.storage import as_storage, staged_dir
 
 
 def resolve_stage(cfg: PipelineConfig, name: str) -> int:
@@ -132,11 +133,12 @@ def lr_find_command(
         end_lr=end_lr,
         steps=steps,
     )
-    png = plot_lr_find(
-        result,
-        Path(out or f"lr_find_{stage}.png"),
-        title=f"lr range test: stage {stage!r} ({cfg.stages[index].solver.type})",
-    )
+    target = as_storage(out or f"lr_find_{stage}.png", "--out")  # a local path or a URI (uploaded)
+    with staged_dir(target.parent) as folder:
+        plot_lr_find(
+            result, folder / target.name, title=f"lr range test: stage {stage!r} ({cfg.stages[index].solver.type})"
+        )
+    png = target
     print(
         f"lr-find stage {stage!r}: {len(result.lrs)} steps from {start_lr:g} to {result.lrs[-1] if result.lrs else start_lr:.3g}{' (stopped: loss diverged)' if result.diverged else ''}"
     )

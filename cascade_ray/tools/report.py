@@ -6,23 +6,29 @@ from pathlib import Path
 
 from cascade_ray.errors import CascadeError
 from cascade_ray.pipeline.outputs import read_metrics, read_predictions
-from cascade_ray.pipeline.records import read_summary
+from cascade_ray.pipeline.records import RunSummary, read_summary
+from cascade_ray.storage import StorageDir, as_storage, staged_dir
 from cascade_ray.tools.plots import plot_confusion, plot_stage
 
 REPORT_DIR = "report"
 
 
-def build_report(run: str | Path) -> Path:
-    """Write ``RUN_DIR/report/*.png`` and ``RUN_DIR/report/report.md``; return the .md path."""
-    run = Path(run).expanduser()
+def build_report(run: str | StorageDir) -> StorageDir:
+    """Write ``RUN_DIR/report/*.png`` and ``RUN_DIR/report/report.md`` (a local folder or a URI:
+    on object storage the files are drawn locally, then uploaded); return the .md path."""
+    run = as_storage(run, "run_dir")
     if not (run / "summary.json").is_file():
         raise CascadeError(
             f"{run} has no summary.json: pass the folder of a finished run, i.e. {{storage_path}}/{{name}}"
         )
     summary = read_summary(run / "summary.json")
     metrics = read_metrics(run)
-    out = run / REPORT_DIR
-    out.mkdir(exist_ok=True)
+    with staged_dir(run / REPORT_DIR) as out:
+        _write_report(run, summary, metrics, out)
+    return run / REPORT_DIR / "report.md"
+
+
+def _write_report(run: StorageDir, summary: RunSummary, metrics: dict[str, list[dict]], out: Path) -> None:
     lines = [
         f"# Run `{summary.name}`",
         "",
@@ -54,6 +60,4 @@ def build_report(run: str | Path) -> Path:
         f"{summary.name}: composed model, test accuracy {summary.test_accuracy:.4f}",
     )
     lines += ["## Confusion matrix (test split)", "", f"![confusion matrix]({png.name})", ""]
-    report = out / "report.md"
-    report.write_text("\n".join(lines))
-    return report
+    (out / "report.md").write_text("\n".join(lines))

@@ -11,11 +11,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 import yaml
 
@@ -23,6 +21,7 @@ from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError
 from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
+from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import build_tuner, trial_config
 
@@ -36,11 +35,11 @@ class SweepOutcome:
     stage: str
     best_values: dict[str, Any]
     best_metric: float
-    best_trial_run: Path
+    best_trial_run: StorageDir
     best_history: list[dict[str, Any]]
     table: list[dict[str, Any]]
-    results_path: Path
-    best_yaml: Path
+    results_path: StorageDir
+    best_yaml: StorageDir
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ def sweep_stage(
     keep = ["trial_id", space.metric, "epoch", *[c for c in frame.columns if c.startswith(CONFIG_PREFIX)]]
     table = frame[[c for c in keep if c in frame.columns]]
     results_path = exp_dir / "results.parquet"
-    pq.write_table(pa.Table.from_pandas(table, preserve_index=False), results_path)
+    write_table(pa.Table.from_pandas(table, preserve_index=False), results_path)
     best = grid.get_best_result(metric=space.metric, mode=space.mode, scope="all")
     values = {k: best.config[k] for k in space.space}
     best_yaml = exp_dir / "best.yaml"
@@ -148,7 +147,7 @@ def adopt_best(
     """
     cfg = trial_config(session.cfg, outcome.stage, outcome.best_values)
     fp = stage_fingerprint(cfg, index, upstream.fingerprint if upstream else "", session.data_fp)
-    result = ray.train.Result.from_path(str(outcome.best_trial_run))
+    result = ray.train.Result.from_path(full_uri(outcome.best_trial_run))
     record, handoff = dataclasses.replace(session, cfg=cfg).finish(
         index,
         upstream,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,6 +27,7 @@ from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import fit_stage, worker_resources
 from cascade_ray.ray_compat import uncount_asha_stop, wait_for_tune_reports_taken
+from cascade_ray.storage import StorageDir, as_storage, full_uri
 from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
 
 TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
@@ -96,7 +96,7 @@ def _run_trial(
     trial_id = tune.get_context().get_trial_id()
     data_ref, upstream_ref, features_ref = refs["data"], refs.get("upstream"), refs.get("features")
     # Train run named after the trial: unique per trial, stable across a Tune restore
-    run = Path(ray_dir) / f"trial-{trial_id}"
+    run = as_storage(ray_dir) / f"trial-{trial_id}"
     fit_stage(
         cfg,
         index,
@@ -181,7 +181,7 @@ def build_tuner(
     space_file: str,
     data_ref: ray.ObjectRef,
     upstream_ref: ray.ObjectRef | None,
-    exp_dir: Path,
+    exp_dir: StorageDir,
     resume: bool,
     features_ref: ray.ObjectRef | None = None,
     options: RunOptions | None = None,
@@ -201,13 +201,13 @@ def build_tuner(
         base=cfg.model_dump(mode="json"),
         stage=space.stage,
         refs=refs,
-        ray_dir=str(exp_dir / "trials"),
+        ray_dir=full_uri(exp_dir / "trials"),
         options=RunOptions(log_level=(options or RunOptions()).log_level),
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
-    if resume and tune.Tuner.can_restore(str(exp_dir / "tune")):
+    if resume and tune.Tuner.can_restore(full_uri(exp_dir / "tune")):
         return tune.Tuner.restore(
-            str(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True
+            full_uri(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True
         )
     current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
     scheduler = None
@@ -237,5 +237,5 @@ def build_tuner(
             # and replaced instead, as without reuse
             reuse_actors=True,
         ),
-        run_config=tune.RunConfig(name="tune", storage_path=str(exp_dir), verbose=0),
+        run_config=tune.RunConfig(name="tune", storage_path=full_uri(exp_dir), verbose=0),
     )
