@@ -236,10 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_tool(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
+            from cascade_ray.checks.reach import reach_issues
             from cascade_ray.errors import ConfigError
             from cascade_ray.solver.precision import precision_config_issues
 
             errors, warnings = precision_config_issues(cfg)  # against this machine's CPU
+            errors += reach_issues(cfg)  # storage writable, data readable: a small probe
             for issue in warnings:
                 print(f"warning: {issue.render()}")
             if errors:

@@ -18,6 +18,7 @@ import numpy as np
 import ray
 import torch
 
+from cascade_ray.checks.reach import check_reach
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import DataSplits
@@ -73,6 +74,7 @@ def run_pipeline(
     if unknown:
         raise ConfigError([ConfigIssue("stage", f"no stage {', '.join(map(repr, unknown))} to run a runner for")])
     out = run_dir(cfg)
+    check_reach(cfg)  # storage writable, data readable (a small probe), before any Ray resource
     data = load_data(cfg.data, cfg.seed)  # DataError before any Ray resource
     require_plans(cfg, data.image_shape, data.num_classes)
     # schedule lengths vs the real optimizer steps need the training-set size
