@@ -31,13 +31,39 @@ def unique_run_name(ray_dir: StorageDir, stage: StageConfig, index: int, fingerp
     Ray 2.60 silently resumes a run whose ``(storage_path, name)`` already exists, so
     a rerun of the same stage gets the next free attempt number instead.
     """
+    prefix, taken = _attempts(ray_dir, stage, index, fingerprint)
+    return f"{prefix}-a{max(taken, default=0) + 1}"
+
+
+def _attempts(ray_dir: StorageDir, stage: StageConfig, index: int, fingerprint: str) -> tuple[str, list[int]]:
     prefix = f"{index:02d}-{stage.name}-{fingerprint[:12]}"
-    taken = {
+    taken = sorted(
         int(m.group(1))
         for p in ray_dir.glob(f"{prefix}-a*")
         if (m := re.fullmatch(re.escape(prefix) + r"-a(\d+)", p.name))
-    }
-    return f"{prefix}-a{max(taken, default=0) + 1}"
+    )
+    return prefix, taken
+
+
+def resumable_run(ray_dir: StorageDir, stage: StageConfig, index: int, fingerprint: str) -> tuple[str, int] | None:
+    """The newest earlier Ray run of this exact stage (same fingerprint: config, upstream, data)
+    that registered a checkpoint, and the epochs that checkpoint had done; None when there is none.
+
+    Rerunning a Ray Train run under its ``(storage_path, name)`` restores it from its latest
+    registered checkpoint (Ray's own convention), so ``--resume`` hands this name to
+    :func:`fit_stage` to continue an interrupted stage instead of retraining it.
+    """
+    prefix, taken = _attempts(ray_dir, stage, index, fingerprint)
+    if not taken:
+        return None
+    name = f"{prefix}-a{taken[-1]}"
+    try:
+        result = ray.train.Result.from_path(full_uri(ray_dir / name))
+    except (RuntimeError, OSError, ValueError):  # no checkpoint snapshot: the run never got to one
+        return None
+    if result.checkpoint is None:
+        return None
+    return name, int((result.metrics or {}).get("epoch", 0))
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,11 @@ class StageRecord(StageResult):
     digest: str = Field(description="sha256 of the artifact's ``weights.safetensors``.")
     feature_cache: FeatureCacheRecord | None = Field(None, description="Set when the stage trained on cached inputs.")
     sweep: SweepRecord | None = Field(None, description="Set when the stage was swept with Ray Tune.")
+    resumed_from_epoch: int | None = Field(
+        None,
+        description="Epochs done at the checkpoint this stage's training last continued from (``--resume`` of an "
+        "interrupted stage, or a worker-group restart after a failure); None when it ran through from epoch 0.",
+    )
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, **fields: Any) -> StageRecord:

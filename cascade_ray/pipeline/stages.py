@@ -31,7 +31,7 @@ from cascade_ray.models.weights import NumpyState, state_digests
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
-from cascade_ray.pipeline.fit import fit_stage, metric_mode, unique_run_name
+from cascade_ray.pipeline.fit import fit_stage, metric_mode, resumable_run, unique_run_name
 from cascade_ray.pipeline.records import ManifestFields, StageRecord
 from cascade_ray.stage.worker import CHECKPOINT_STATE, read_checkpoint
 
@@ -119,7 +119,8 @@ class StageSession:
                 return reused
         t0 = time.perf_counter()
         cache = self.feature_cache(index, upstream)
-        name = unique_run_name(self.out / "ray", stage, index, fp)
+        name = self._resumable(index, fp) if resume else None
+        name = name or unique_run_name(self.out / "ray", stage, index, fp)
         result = fit_stage(
             self.cfg,
             index,
@@ -132,6 +133,19 @@ class StageSession:
             board=self.board,
         )
         return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
+
+    def _resumable(self, index: int, fp: str) -> str | None:
+        """The Ray run name that continues an interrupted stage `index` from its latest checkpoint."""
+        stage = self.cfg.stages[index]
+        found = resumable_run(self.out / "ray", stage, index, fp)
+        if found is None:
+            return None
+        name, done = found
+        self.log(
+            f"  resuming stage {stage.name} at epoch {done + 1} of {stage.train.epochs} "
+            f"(its Ray run {name} checkpointed after epoch {done})"
+        )
+        return name
 
     def feature_cache(self, index: int, upstream: Handoff | None) -> FeatureCache | None:
         """Stage `index`'s cached upstream outputs (computed or read), or None when it trains on raw inputs."""
@@ -216,6 +230,7 @@ class StageSession:
             wall_s=round(time.perf_counter() - started, 2),
             artifact=str(artifact.path),
             feature_cache=cache.record() if cache is not None else None,
+            resumed_from_epoch=outcome.get("resumed_from_epoch"),
         ).to_json()
         return record, Handoff(state, ray.put(state), fp)  # one put; every worker of the next stage reads it
 

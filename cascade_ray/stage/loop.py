@@ -66,6 +66,7 @@ class StageOutcome:
     precision: dict[str, Any] | None = None  # PrecisionChoice.record(): requested, resolved, reason, hardware
     memory_format: str = "contiguous"
     compile: dict[str, Any] | None = None  # CompileState.record(), when stages[i].compile is true
+    resumed_from_epoch: int | None = None  # epochs done at the checkpoint training last resumed from
 
 
 def run_stage(
@@ -202,6 +203,7 @@ def run_stage(
         precision=setup.precision.choice.record() if setup.precision.choice is not None else None,
         memory_format=setup.memory_format,
         compile=setup.compiled.record() if setup.compiled is not None else None,
+        resumed_from_epoch=start_epoch if resume is not None else None,
     )
 
 

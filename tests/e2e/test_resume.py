@@ -1,0 +1,129 @@
+"""Mid-stage resume: the driver's whole process group is SIGKILLed in the middle of stage 2, and
+``--resume`` continues that stage from its latest checkpoint, ending bit-identical to a run that
+was never interrupted. Runs ``python pipelines/three_stage.py`` with an embedded Ray, as users do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from paths import ROOT
+
+pytestmark = pytest.mark.slow
+
+ENCODER_EPOCHS = 6
+OVERRIDES = [f"stages.encoder.train.epochs={ENCODER_EPOCHS}"]
+RUN_TIMEOUT_S = 300
+
+
+def _cmd(storage: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "pipelines/three_stage.py",
+        "--config",
+        "pipelines/configs/debug.yaml",
+        f"storage_path={storage}",
+        *OVERRIDES,
+        *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+def _tree(root: int) -> set[int]:
+    """`root`, the processes of its session, and every descendant of those (Ray's raylet, GCS, workers)."""
+    parent, session = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(pid)], session[int(pid)] = int(fields[1]), int(fields[3])
+    ours = {root} | {p for p, s in session.items() if s == root}
+    while more := {p for p, pp in parent.items() if pp in ours} - ours:
+        ours |= more
+    return ours
+
+
+def _latest_epoch(storage: Path) -> int:
+    """Epochs of stage 2 (encoder) that Ray Train has registered a checkpoint for."""
+    best = 0
+    for snap in storage.glob("debug/ray/01-encoder-*/checkpoint_manager_snapshot.json"):
+        try:
+            latest = json.loads(snap.read_text()).get("latest_checkpoint_result") or {}
+        except (OSError, ValueError):  # being rewritten
+            continue
+        best = max(best, int((latest.get("metrics") or {}).get("epoch", 0)))
+    return best
+
+
+def _summary(storage: Path) -> dict:
+    return json.loads((storage / "debug" / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("uninterrupted")
+    done = subprocess.run(_cmd(storage), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return _summary(storage)
+
+
+def test_a_driver_killed_mid_stage_resumes_that_stage_and_ends_bit_identical(reference, tmp_path):
+    storage = tmp_path / "runs"
+    log = (tmp_path / "killed.log").open("w")
+    proc = subprocess.Popen(
+        _cmd(storage), cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while _latest_epoch(storage) < 2:
+            assert proc.poll() is None, (
+                f"the run ended before the kill: {(tmp_path / 'killed.log').read_text()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, "stage 2 did not checkpoint 2 epochs in time"
+            time.sleep(0.2)
+        victims = _tree(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in victims:  # Ray's own processes, wherever they went
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+    killed_at = _latest_epoch(storage)
+    assert 2 <= killed_at < ENCODER_EPOCHS, "killed in the middle of stage 2"
+    assert not (storage / "debug" / "stages" / "encoder" / "manifest.json").exists()
+    assert (storage / "debug" / "stages" / "features" / "manifest.json").exists()
+
+    resumed = subprocess.run(
+        _cmd(storage, "--resume"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-4000:]
+    match = re.search(r"resuming stage encoder at epoch (\d+) of (\d+)", out)
+    assert match, out[-3000:]
+    assert int(match.group(1)) == killed_at + 1 and int(match.group(2)) == ENCODER_EPOCHS
+
+    summary = _summary(storage)
+    features, encoder, classifier = summary["stages"]
+    assert features["status"] == "reused" and features.get("resumed_from_epoch") is None
+    assert encoder["status"] == "trained" and encoder["resumed_from_epoch"] == killed_at
+    assert classifier["status"] == "trained" and classifier.get("resumed_from_epoch") is None
+    assert len(encoder["history"]) == ENCODER_EPOCHS, "the history before the kill is kept"
+    assert [s["digest"] for s in summary["stages"]] == [s["digest"] for s in reference["stages"]]
+    assert summary["test_accuracy"] == reference["test_accuracy"]
