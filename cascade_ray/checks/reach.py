@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
-from cascade_ray.storage import STORAGE_ACCESS_FIX, UriPath, as_storage, local_path, redact, resolve_files
+from cascade_ray.storage import STORAGE_ACCESS_FIX, StorageDir, UriPath, as_storage, local_path, redact, resolve_files
 
 PROBE_PREFIX = ".cascade-probe-"
 
@@ -48,6 +48,12 @@ def _storage_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
         run = as_storage(cfg.storage_path) / cfg.name
     except ConfigError as exc:
         return list(exc.issues)
+    return storage_issues(run)
+
+
+def storage_issues(run: StorageDir) -> list[ConfigIssue]:
+    """Whether this process can write under `run` (a local folder: may it be created; a URI: a
+    probe object written, read back and deleted)."""
     local = local_path(run)
     if isinstance(run, Path) and local is not None:
         existing = next((p for p in (local, *local.parents) if p.exists()), Path("/"))

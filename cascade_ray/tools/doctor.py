@@ -85,7 +85,17 @@ def check_shared_memory() -> list[Check]:
 def check_storage(storage: str | None) -> list[Check]:
     path = Path(storage or "~/cascade-ray-runs").expanduser()
     if "://" in str(storage or ""):
-        return [("warn", "storage", f"{storage}: remote storage is not probed here")]
+        from cascade_ray.checks.reach import storage_issues
+        from cascade_ray.errors import ConfigError
+        from cascade_ray.storage import as_storage
+
+        try:
+            issues = storage_issues(as_storage(storage))
+        except ConfigError as exc:
+            issues = list(exc.issues)
+        if issues:
+            return [("FAIL", "storage", issue.render()) for issue in issues]
+        return [("ok", "storage", f"{as_storage(storage)}: a probe object was written, read back and deleted")]
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path):

@@ -137,3 +137,12 @@ def test_a_local_storage_path_under_a_read_only_folder_fails(tmp_path):
         return
     (issue,) = reach_issues(cfg)
     assert issue.path == "storage_path" and "not writable" in issue.message
+
+
+def test_doctor_probes_a_bucket_and_fails_a_missing_one(s3):
+    from cascade_ray.tools.doctor import check_storage
+
+    ((level, _, text),) = check_storage(s3.uri("doctor"))
+    assert level == "ok" and "written, read back and deleted" in text and s3.keys("doctor") == []
+    ((level, _, text),) = check_storage("s3://no-such-bucket/x")
+    assert level == "FAIL" and "storage_path" in text and "AWS_ENDPOINT_URL" in text
