@@ -75,3 +75,14 @@ def test_the_cli_exits_2_with_the_fix_and_takes_the_flags(cfg, capsys):
     assert (run_options(args, cfg).overwrite, run_options(args, cfg).break_lock) == (True, True)
     tune = parse_args(build_parser(), ["tune", config, "--space", "s.yaml", "--break-lock"])
     assert tune.break_lock and not hasattr(tune, "overwrite")
+
+
+def test_submit_passes_the_lock_flags_to_the_job(monkeypatch):
+    from paths import ROOT
+
+    from cascade_ray.tools.jobs import job_entrypoint
+
+    monkeypatch.chdir(ROOT)
+    argv = ["submit", str(CONFIGS / "debug.yaml"), "--address", "http://127.0.0.1:8265", "--overwrite", "--break-lock"]
+    entrypoint, _, _ = job_entrypoint(parse_args(build_parser(), argv), "/shared/runs")
+    assert entrypoint.endswith("--overwrite --break-lock"), entrypoint
