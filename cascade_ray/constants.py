@@ -30,7 +30,7 @@ def apply_ray_env_defaults() -> dict[str, str]:
     return {key: os.environ[key] for key in RAY_ENV_DEFAULTS if key in os.environ}
 
 
-# Run lock (cascade_ray/storage_lock.py): the holder rewrites {run}/.lock every
+# Run lock (cascade_ray/storage_lock/): the holder rewrites {run}/.lock every
 # RUN_LOCK_HEARTBEAT_S; a lock whose last beat is older than RUN_LOCK_STALE_S (3 missed
 # beats) counts as abandoned and the next driver takes it over. The stale limit also
 # absorbs clock skew between hosts on local/NFS storage (S3 compares server times).

@@ -1,4 +1,4 @@
-"""The run lock (cascade_ray/storage_lock.py) on a local folder, on S3 (the moto fixture) and on a
+"""The run lock (cascade_ray/storage_lock/) on a local folder, on S3 (the moto fixture) and on a
 fake GCS bucket: exclusive create, holder named, stale takeover, --break-lock, owner-checked release."""
 
 from __future__ import annotations
