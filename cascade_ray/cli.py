@@ -63,7 +63,22 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="torch.profiler trace of a few steps (skip 2, warm up 2, record 5) of STAGE (comma-separated names; "
         "alone: every stage), written to {run}/profile/<stage>.trace.json, top operators printed",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train again over a finished run ({run}/summary.json) without --resume, rewriting its outputs",
+    )
+    _add_break_lock(p)
     _add_log_level(p)
+
+
+def _add_break_lock(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--break-lock",
+        action="store_true",
+        help="take the run lock ({run}/.lock) even from a driver that looks alive; "
+        "a dead driver's lock is taken over without it",
+    )
 
 
 def _add_log_level(p: argparse.ArgumentParser) -> None:
@@ -109,6 +124,8 @@ def run_options(args: argparse.Namespace, cfg: PipelineConfig) -> RunOptions:
         log_level=args.log_level,
         profile=frozenset(check_profile_stages(cfg, args.profile)) if getattr(args, "profile", None) else frozenset(),
         spaces=spaces,
+        break_lock=args.break_lock,
+        overwrite=args.overwrite,
     )
 
 
@@ -137,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space", required=True, help="search space file, e.g. tune_spaces/encoder.yaml")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
+    _add_break_lock(p)
     _add_log_level(p)
     p = sub.add_parser(
         "submit",
@@ -289,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log_level=args.log_level,
                 spaces=((stage, args.space),),
                 stop_after=stage,
+                break_lock=args.break_lock,
             )
         else:
             options = run_options(args, cfg)

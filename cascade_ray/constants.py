@@ -30,6 +30,14 @@ def apply_ray_env_defaults() -> dict[str, str]:
     return {key: os.environ[key] for key in RAY_ENV_DEFAULTS if key in os.environ}
 
 
+# Run lock (cascade_ray/storage_lock/): the holder rewrites {run}/.lock every
+# RUN_LOCK_HEARTBEAT_S; a lock whose last beat is older than RUN_LOCK_STALE_S (3 missed
+# beats) counts as abandoned and the next driver takes it over. The stale limit also
+# absorbs clock skew between hosts on local/NFS storage (S3 compares server times).
+RUN_LOCK_HEARTBEAT_S = 30.0
+RUN_LOCK_STALE_BEATS = 3
+RUN_LOCK_STALE_S = RUN_LOCK_HEARTBEAT_S * RUN_LOCK_STALE_BEATS
+
 # Test hook: "<stage>:<optimizer step>:<marker file>" kills rank 0 of that stage right after
 # that step, once (the marker file records it). Read by the driver and passed to the
 # workers in the train loop config, so it reaches workers of an already-running cluster.

@@ -66,6 +66,48 @@ class ResourceError(CascadeError):
     exit_code = 2
 
 
+class RunLockedError(CascadeError):
+    """Another driver holds the run lock of ``{storage_path}/{name}`` (see :mod:`cascade_ray.storage_lock`).
+
+    Attributes:
+        run: the run folder, without credentials.
+        holder: what the lock file says: host, pid, user, started, heartbeat (may be partial).
+        detail: how old the last heartbeat is, or why the holder counts as alive.
+    """
+
+    exit_code = 2
+
+    def __init__(self, run: str, holder: dict, detail: str):
+        self.run, self.holder, self.detail = run, dict(holder), detail
+        who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "user", "started", "heartbeat") if k in holder)
+        super().__init__(
+            f"{run} is locked by another driver ({who or 'holder unreadable'}; {detail})\n"
+            "    fix: wait for that run to end or stop it; a dead holder's lock is taken over on its own "
+            "(dead pid on this host, or no heartbeat for the stale limit); to take the lock now, pass "
+            "--break-lock (RunOptions(break_lock=True))"
+        )
+
+    def __reduce__(self):
+        return (self.__class__, (self.run, self.holder, self.detail))
+
+
+class RunFinishedError(CascadeError):
+    """``{storage_path}/{name}`` holds a finished run (``summary.json``) and neither resume nor overwrite was asked."""
+
+    exit_code = 2
+
+    def __init__(self, run: str):
+        self.run = run
+        super().__init__(
+            f"{run} holds a finished run (summary.json)\n"
+            "    fix: pass --resume to reuse its stages whose fingerprint matches, --overwrite to train again "
+            "and rewrite it (RunOptions(resume=True) / RunOptions(overwrite=True)), or choose another name= or storage_path="
+        )
+
+    def __reduce__(self):
+        return (self.__class__, (self.run,))
+
+
 class FrozenDriftError(CascadeError):
     """A parameter or buffer that was meant to be frozen changed during a stage."""
 

@@ -32,6 +32,11 @@ class RunOptions:
     """(stage name, Tune space file) pairs: these stages are swept, the best trial kept."""
     stop_after: str | None = None
     """Stop after this stage (no composed-model evaluation); ``cascade-ray tune`` uses it."""
+    break_lock: bool = False
+    """Take the run lock (``{run}/.lock``) even from a driver that looks alive (``--break-lock``)."""
+    overwrite: bool = False
+    """Train again over a finished run (``{run}/summary.json``) without ``resume``; every file
+    the run writes is rewritten (``--overwrite``)."""
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:

@@ -24,7 +24,7 @@ from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, eval_batches
 from cascade_ray.data.source import load_data
-from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.errors import ConfigError, ConfigIssue, RunFinishedError
 from cascade_ray.logs import install_worker_filter, ray_logging_level
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.plan import require_plans
@@ -39,6 +39,7 @@ from cascade_ray.solver import step_count_issues
 from cascade_ray.solver.precision import precision_config_issues
 from cascade_ray.stage.progress import ProgressSession
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
+from cascade_ray.storage_lock import display, hold_run_lock
 
 
 def run_dir(cfg: PipelineConfig) -> StorageDir:
@@ -67,6 +68,11 @@ def run_pipeline(
 
     Returns:
         The summary, also written to ``{storage_path}/{name}/summary.json`` for full runs.
+
+    Raises:
+        RunLockedError: another driver holds the run lock (``options.break_lock`` takes it).
+        RunFinishedError: the run folder holds a finished run and neither ``options.resume``
+            nor ``options.overwrite`` is set.
     """
     options = options or RunOptions()
     runners = dict(runners or {})
@@ -88,6 +94,24 @@ def run_pipeline(
     log(
         f"data: {data.source}: train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}, {data.num_classes} classes"
     )
+    # one driver per run folder, for the whole run: taken once the input is known good, before Ray
+    with hold_run_lock(out, break_lock=options.break_lock, log=log):
+        # a stop_after run (cascade-ray tune) reuses matching stages and writes no summary.json
+        finished = not (options.resume or options.overwrite or options.stop_after) and (out / "summary.json").exists()
+        if finished:
+            raise RunFinishedError(display(out))
+        return _run_locked(cfg, options, runners, out, data, log)
+
+
+def _run_locked(
+    cfg: PipelineConfig,
+    options: RunOptions,
+    runners: dict[str, StageRunner],
+    out: StorageDir,
+    data: DataSplits,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """The run itself, under the run lock: Ray, every stage, the composed-model test, the outputs."""
     if not ray.is_initialized() and not (options.address or os.environ.get("RAY_ADDRESS")):
         _check_embedded_resources(cfg)  # the embedded Ray will be this machine: fail before starting it
     started_ray = _init_ray(options.address, options.log_level)

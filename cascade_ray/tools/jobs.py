@@ -40,6 +40,10 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="pass --resume to the pipeline: reuse stage artifacts already in storage_path",
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="pass --overwrite to the pipeline: train over a finished run"
+    )
+    p.add_argument("--break-lock", action="store_true", help="pass --break-lock to the pipeline: take the run lock")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return instead of following the logs")
 
 
@@ -96,6 +100,8 @@ def job_entrypoint(args: argparse.Namespace, storage_path: str) -> tuple[str, st
         str(config.relative_to(workdir)),
         *args.overrides,
         *(["--resume"] if args.resume else []),
+        *(["--overwrite"] if args.overwrite else []),
+        *(["--break-lock"] if args.break_lock else []),
     ]
     return shlex.join(argv), address, workdir
 

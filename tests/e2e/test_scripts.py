@@ -103,6 +103,8 @@ def test_driver_killed_after_stage_one_resumes_to_the_same_result(debug_run, tmp
 
     resumed = subprocess.run([*args, "--resume"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the killed driver left its run lock behind: a dead pid on this host, taken over with a log line
+    assert f"run lock: taking over {storage / 'debug' / '.lock'}" in resumed.stdout, resumed.stdout[-3000:]
     summary = json.loads((storage / "debug" / "summary.json").read_text())
     assert [s["status"] for s in summary["stages"]] == ["reused", "trained", "trained"]
     expected = json.loads((reference / "debug" / "summary.json").read_text())

@@ -30,7 +30,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("config", ("cascade_ray.config",)),
-    ("models, data, storage", ("cascade_ray.models", "cascade_ray.data", "cascade_ray.storage")),
+    (
+        "models, data, storage",
+        ("cascade_ray.models", "cascade_ray.data", "cascade_ray.storage", "cascade_ray.storage_lock"),
+    ),
     ("solver", ("cascade_ray.solver",)),
     ("checks", ("cascade_ray.checks",)),
     ("stage", ("cascade_ray.stage",)),
