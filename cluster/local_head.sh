@@ -206,7 +206,8 @@ firewall_hint() {
   echo "# keep this head's ports off the network (Ray binds them on all interfaces):"
   echo "#   iptables -I INPUT ! -i lo -p tcp -m multiport --dports ${PRIVATE_PORTS} -j DROP"
   echo "#   iptables -I INPUT ! -i lo -p tcp --dport ${WORKER_PORTS} -j DROP"
-  for f in $(node_files); do
+  for f in "$state_dir"/nodes/*.env; do
+    [ -e "$f" ] || continue
     (
       . "$f"
       echo "#   iptables -I INPUT ! -i lo -p tcp -m multiport --dports ${NODE_PRIVATE_PORTS} -j DROP  # $NODE_NAME"
@@ -216,7 +217,6 @@ firewall_hint() {
 }
 
 # --- worker nodes added by `add-node`: one record each, $state_dir/nodes/<name>.env
-node_files() { [ -d "$state_dir/nodes" ] && ls "$state_dir/nodes/"*.env 2>/dev/null || true; }
 node_running() {  # FILE
   local sid
   sid=$(sed -n 's/^NODE_SESSION_ID=//p' "$1")
@@ -246,7 +246,8 @@ start)
   fi
   num_cpus=${num_cpus:-2}
   [[ "$num_cpus" =~ ^[0-9]+$ ]] || die "--num-cpus must be a whole number, not '$num_cpus'"
-  for f in $(node_files); do
+  for f in "$state_dir"/nodes/*.env; do
+    [ -e "$f" ] || continue
     node_running "$f" && die "node $(basename "$f" .env) of an earlier head in $state_dir still runs; \`$0 stop\` first"
     forget_node "$f"
   done
@@ -387,7 +388,8 @@ status)
   fi
   echo "running: $(echo "$pids" | wc -l) processes in session $SESSION_ID, $NUM_CPUS CPU(s)"
   echo "job API http://127.0.0.1:$DASHBOARD_PORT (GET /api/version with the token: $(api_get /api/version)), GCS port $GCS_PORT, temp dir $TEMP_DIR"
-  for f in $(node_files); do
+  for f in "$state_dir"/nodes/*.env; do
+    [ -e "$f" ] || continue
     (
       . "$f"
       node_pids=$(head_pids "$NODE_SESSION_ID")
@@ -401,7 +403,8 @@ status)
   firewall_hint
   ;;
 stop)
-  for f in $(node_files); do  # the nodes first: they would only retry the GCS once the head is gone
+  for f in "$state_dir"/nodes/*.env; do  # the nodes first: they would only retry the GCS once the head is gone
+    [ -e "$f" ] || continue
     end_node "$f" stop
   done
   load_state || { log "no head recorded in $state_dir: nothing to stop"; exit 0; }
