@@ -462,6 +462,13 @@ class ScalingConfig(_Strict):
         description="Convert the stage's trainable BatchNorm layers to SyncBatchNorm, so batch statistics "
         "are computed over all workers' batches (GPU stages with more than one worker; an error on CPU).",
     )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How Ray places the stage's workers (its placement group's strategy): `PACK` on as few "
+        "nodes as possible, `SPREAD` over as many as possible (both best effort); `STRICT_PACK` all on "
+        "one node, `STRICT_SPREAD` each on a different node (checked before the stage starts: an error "
+        "when the cluster has too few nodes that fit).",
+    )
 
 
 def _on_off(value: Any) -> Any:

@@ -60,6 +60,7 @@ class FeatureCache:
         path: the Parquet copy in storage.
         status: ``computed`` or ``read`` (from the Parquet copy).
         seconds: wall time to compute or read.
+        nodes: Ray node ids that computed them (one per task, or the driver's node); empty when read.
     """
 
     stage: str
@@ -69,11 +70,16 @@ class FeatureCache:
     path: StorageDir
     status: str
     seconds: float
+    nodes: tuple[str, ...] = ()
 
     def record(self) -> FeatureCacheRecord:
         """The summary entry of this cache."""
         return FeatureCacheRecord(
-            status=self.status, shape=list(self.shape), path=str(self.path), seconds=round(self.seconds, 2)
+            status=self.status,
+            shape=list(self.shape),
+            path=str(self.path),
+            seconds=round(self.seconds, 2),
+            nodes=list(self.nodes) or None,
         )
 
 
@@ -142,7 +148,7 @@ def prepare_feature_cache(
     path = out / CACHE_DIR / stage.name / f"{key[:16]}.parquet"
     t0 = time.perf_counter()
     arrays = _read_parquet(path, key, sizes, log, stage.name)
-    status = "read"
+    status, nodes = "read", []
     if arrays is None:
         need = 4 * math.prod(in_shape) * sum(sizes.values())
         capacity = ray.cluster_resources().get("object_store_memory", 0.0)
@@ -155,11 +161,13 @@ def prepare_feature_cache(
             log(f"  {stage.name}: feature cache off: {message}")
             return None
         start = previous.stage if previous is not None and previous.stage in upstream_names else None
-        arrays = compute_features(cfg, index, data_ref, upstream.ref, previous.ref if start else None, start, sizes)
+        arrays, nodes = compute_features(
+            cfg, index, data_ref, upstream.ref, previous.ref if start else None, start, sizes
+        )
         _write_parquet(path, key, arrays)
         status = "computed"
     shape = tuple(arrays["x_train"].shape[1:])
-    cache = FeatureCache(stage.name, ray.put(arrays), key, shape, path, status, time.perf_counter() - t0)
+    cache = FeatureCache(stage.name, ray.put(arrays), key, shape, path, status, time.perf_counter() - t0, tuple(nodes))
     log(
         f"  {stage.name}: feature cache {status}: upstream outputs {'x'.join(map(str, shape))} for {sum(sizes.values())} samples in {cache.seconds:.1f} s ({path})"
     )
@@ -176,8 +184,9 @@ def compute_features(
     sizes: dict[str, int],
     *,
     where: str = "auto",
-) -> dict[str, np.ndarray]:
-    """Upstream outputs of every train/val sample.
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Upstream outputs of every train/val sample, and the Ray node ids that computed them
+    (one per task, in shard order; the driver's node when the driver computed them).
 
     On a GPU stage or a multi-node cluster: one Ray task per worker of stage `index` (each
     with the stage's per-worker resources) over contiguous shards. On a single-node CPU
@@ -197,7 +206,7 @@ def compute_features(
         parts = upstream_outputs(
             cfg, index, DataSplits.from_arrays(ray.get(data_ref)), ray.get(upstream_ref), previous=previous, start=start
         )
-        return {f"x_{s}": parts[s] for s in SPLITS}
+        return {f"x_{s}": parts[s] for s in SPLITS}, [ray.get_runtime_context().get_node_id()]
     options = {
         "num_cpus": resources.get("CPU", 0.0),
         "num_gpus": resources.get("GPU", 0.0),
@@ -218,8 +227,8 @@ def compute_features(
         )
         for w in range(shards)
     ]
-    parts = ray.get(tasks)
-    return {f"x_{s}": np.concatenate([p[s] for p in parts]) for s in SPLITS}
+    done = ray.get(tasks)
+    return {f"x_{s}": np.concatenate([p[s] for _, p in done]) for s in SPLITS}, [node for node, _ in done]
 
 
 @ray.remote
@@ -231,7 +240,8 @@ def _features_task(
     previous_ref: list,
     start: str | None,
     ranges: dict[str, tuple[int, int]],
-) -> dict[str, np.ndarray]:
+) -> tuple[str, dict[str, np.ndarray]]:
+    """(this task's node id, its shard of the features)."""
     from cascade_ray.checks import validate_config
     from cascade_ray.data import DataSplits
 
@@ -240,7 +250,7 @@ def _features_task(
     cfg = validate_config(raw, source="feature cache", preflight=False)
     device = torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
     previous = ray.get(previous_ref[0]) if previous_ref else None
-    return upstream_outputs(
+    return ray.get_runtime_context().get_node_id(), upstream_outputs(
         cfg,
         index,
         DataSplits.from_arrays(ray.get(data_ref[0])),

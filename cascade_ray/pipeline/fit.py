@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
 import re
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,10 +93,16 @@ class Cluster:
             or sum(count for _, count in self.groups) > len(self.nodes)
         )
 
-    def placeable(self, per_worker: Mapping[str, float]) -> float:
+    def placeable(self, per_worker: Mapping[str, float], strategy: str = "PACK") -> float:
         """Workers asking `per_worker` each that fit at once: on the alive nodes, or on the
-        largest cluster the autoscaler may build (Ray Train's own check uses the latter)."""
-        return max(_placeable(per_worker, [(n, 1) for n in self.nodes]), _placeable(per_worker, self.groups))
+        largest cluster the autoscaler may build (Ray Train's own check uses the latter).
+
+        `strategy` is the placement group's: ``STRICT_SPREAD`` counts at most one worker per
+        node, ``STRICT_PACK`` only the workers one node holds; ``PACK``/``SPREAD`` are best
+        effort and count every worker that fits anywhere.
+        """
+        alive = [(n, 1) for n in self.nodes]
+        return max(_placeable(per_worker, alive, strategy), _placeable(per_worker, self.groups, strategy))
 
     def describe(self) -> str:
         total: dict[str, float] = {}
@@ -110,12 +118,19 @@ class Cluster:
         return text
 
 
-def _placeable(per_worker: Mapping[str, float], nodes: Any) -> float:
+def _placeable(per_worker: Mapping[str, float], nodes: Any, strategy: str = "PACK") -> float:
     wanted = {k: v for k, v in per_worker.items() if v > 0}
     count = 0.0
     for res, copies in nodes:
         fit = min((math.floor(res.get(k, 0.0) / v + 1e-9) for k, v in wanted.items()), default=math.inf)
-        count += fit * (math.inf if copies < 0 else copies) if fit else 0
+        if not fit or not copies:
+            continue
+        if strategy == "STRICT_PACK":  # every worker on one node: the largest node decides
+            count = max(count, fit)
+        elif strategy == "STRICT_SPREAD":  # one worker per node
+            count += math.inf if copies < 0 else copies
+        else:
+            count += fit * (math.inf if copies < 0 else copies)
     return count
 
 
@@ -137,10 +152,40 @@ def cluster_view() -> Cluster:
     groups = _autoscaler_groups()
     return Cluster(
         tuple(n["Resources"] for n in alive),
-        len({n.get("NodeManagerAddress") for n in alive}),
+        count_hosts([n.get("NodeManagerAddress") or "" for n in alive]),
         groups,
         bool(groups) or _autoscaler_running(),
     )
+
+
+def count_hosts(addresses: list[str], is_local: Callable[[str], bool] | None = None) -> int:
+    """Distinct machines among the nodes' addresses; every address of this machine (loopback,
+    or one a socket here can bind to) counts as this one machine.
+
+    Several nodes on one host (``cluster/local_head.sh add-node``) share its filesystems, so
+    they are one machine for the node-local storage check, whichever of the host's
+    addresses each one reports.
+    """
+    is_local = is_local or is_local_address
+    local = {a for a in set(addresses) if a and is_local(a)}
+    return len(set(addresses) - local) + (1 if local else 0)
+
+
+def is_local_address(address: str) -> bool:
+    """True when `address` is loopback or an address of one of this machine's interfaces."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))  # only an address of this machine binds
+        return True
+    except OSError:
+        return False
 
 
 def _autoscaler_running() -> bool:
@@ -170,14 +215,18 @@ def _autoscaler_groups() -> tuple[tuple[dict[str, float], int], ...]:
 
 def resolve_use_gpu(stage: StageConfig, cluster: Cluster) -> bool:
     """``scaling.use_gpu`` as a bool: ``auto`` is GPU when the cluster can place every
-    worker of the stage with a GPU (or resources_per_worker names one), else CPU."""
+    worker of the stage with a GPU, as its placement strategy asks (or resources_per_worker
+    names one), else CPU."""
     setting = stage.scaling.use_gpu
     if setting != "auto":
         return bool(setting)
     asked = (stage.scaling.resources_per_worker or {}).get("GPU")
     if asked is not None:
         return asked > 0
-    return cluster.placeable(_resources(stage, True)) >= stage.scaling.num_workers
+    gpu_workers = _resources(stage, True)
+    return min(cluster.placeable(gpu_workers), cluster.placeable(gpu_workers, stage.scaling.placement_strategy)) >= (
+        stage.scaling.num_workers
+    )
 
 
 def _resources(stage: StageConfig, use_gpu: bool) -> dict[str, float]:
@@ -207,15 +256,24 @@ def check_resources(cfg: PipelineConfig, cluster: Cluster | None = None) -> list
         use_gpu = resolve_use_gpu(stage, cluster)
         per_worker = _resources(stage, use_gpu)
         fits = cluster.placeable(per_worker)
+        strict = cluster.placeable(per_worker, sc.placement_strategy)
         if fits < sc.num_workers:
             need = (
                 f"{key}: stage {stage.name!r} needs {sc.num_workers} worker(s) x {_fmt(per_worker)} (each worker's "
                 f"resources on one node), but the cluster can place at most {fits:g} at once ({cluster.describe()})."
             )
+            fix = f"Lower {key}.num_workers or resources_per_worker{', or set use_gpu: auto' if sc.use_gpu is True else ''}, or add nodes."
+        elif strict < sc.num_workers:
+            where = "each on a node of its own" if sc.placement_strategy == "STRICT_SPREAD" else "all on one node"
+            need = (
+                f"{key}.placement_strategy: stage {stage.name!r} asks for {sc.placement_strategy}: {sc.num_workers} "
+                f"worker(s) x {_fmt(per_worker)} {where}, but the cluster can place at most {strict:g} that way "
+                f"({cluster.describe()})."
+            )
+            fix = f"Set {key}.placement_strategy: {'SPREAD' if sc.placement_strategy == 'STRICT_SPREAD' else 'PACK'} (best effort), lower {key}.num_workers, or add nodes."
+        if min(fits, strict) < sc.num_workers:
             if not (cluster.autoscaling and not cluster.groups):
-                raise ResourceError(
-                    f"{need} Lower {key}.num_workers or resources_per_worker{', or set use_gpu: auto' if sc.use_gpu is True else ''}, or add nodes."
-                )
+                raise ResourceError(f"{need} {fix}")
             # an autoscaler with unpublished limits may still add nodes that fit
             decisions.append(
                 f"WARNING: {need} An autoscaler runs, so Ray waits for it to add nodes; if none of its node groups fits, the stage waits forever."
@@ -280,6 +338,7 @@ def fit_stage(
             num_workers=stage.scaling.num_workers,
             use_gpu=use_gpu,
             resources_per_worker=stage.scaling.resources_per_worker,
+            placement_strategy=stage.scaling.placement_strategy,
         ),
         run_config=ray.train.RunConfig(
             name=run_name,

@@ -74,6 +74,12 @@ class StageResult(_Record):
     compile: dict[str, Any] | None = Field(
         default=None, description="``stages[i].compile``: status (compiled | eager), compile seconds, message."
     )
+    nodes: list[str] | None = Field(
+        default=None,
+        description="Ray node id (hex) of each worker, in rank order, of the worker group that wrote the "
+        "stage's best checkpoint (after a worker-group restart, the group that wrote it); a reused stage's "
+        "are those of the run that trained it (absent in artifacts written before nodes were recorded).",
+    )
 
 
 class ManifestFields(StageResult):
@@ -101,6 +107,11 @@ class FeatureCacheRecord(_Record):
     shape: list[int] = Field(description="One sample's feature shape.")
     path: str = Field(description="The Parquet copy in storage.")
     seconds: float = Field(description="Wall time to compute or read the features.")
+    nodes: list[str] | None = Field(
+        None,
+        description="Ray node ids that computed the features: one per Ray task, in shard order, or the "
+        "driver's node when the driver computed them; absent when they were read from storage.",
+    )
 
 
 class SweepRecord(_Record):

@@ -33,7 +33,7 @@ from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, metric_mode, resumable_run, unique_run_name
 from cascade_ray.pipeline.records import ManifestFields, StageRecord
-from cascade_ray.stage.worker import CHECKPOINT_STATE, read_checkpoint
+from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, read_checkpoint
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,8 @@ class StageSession:
         with best.as_directory() as ckpt:
             state = read_checkpoint(ckpt)
             metrics = json.loads((Path(ckpt) / CHECKPOINT_STATE).read_text())
+            nodes_file = Path(ckpt) / CHECKPOINT_NODES  # where the workers ran (a Tune trial's too)
+            nodes = json.loads(nodes_file.read_text()) if nodes_file.is_file() else None
         trainable, frozen_keys, frozen_params = stage_accounting(self.cfg, index, self.input_shape, self.num_classes)
         if upstream is not None:
             # independent of the worker's own per-epoch check: compare bits with the upstream
@@ -217,6 +219,7 @@ class StageSession:
             parent_fingerprint=upstream.fingerprint if upstream else "",
             data_fingerprint=self.data_fp,
             frozen_digest=state_digests(state, frozen_keys),
+            nodes=nodes,
             # what the worker's device made of precision auto / memory format / compile
             **{k: outcome.get(k) for k in DEVICE_KEYS},
         )

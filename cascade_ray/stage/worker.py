@@ -33,15 +33,28 @@ from cascade_ray.stage.resume import TRAINER_STATE
 
 CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_STATE = "train_state.json"
+CHECKPOINT_NODES = "nodes.json"  # the worker group's node ids, one per rank
 
 
 class RayReporter:
-    """Reporter over Ray Train: every rank reports (it is a barrier); rank 0 checkpoints."""
+    """Reporter over Ray Train: every rank reports (it is a barrier); rank 0 checkpoints, with
+    the node ids of every rank (gathered once, when the reporter is made: a collective)."""
 
     def __init__(self, device: torch.device):
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = device
+        self.nodes = self._gather_node_ids()
+
+    def _gather_node_ids(self) -> list[str]:
+        mine = ray.get_runtime_context().get_node_id()
+        if self.world == 1 or not dist.is_initialized():
+            return [mine]
+        # fixed-size bytes on the backend's device (gloo and NCCL both take uint8 tensors)
+        raw = torch.tensor(list(bytes.fromhex(mine)), dtype=torch.uint8, device=self.device)
+        gathered = [torch.empty_like(raw) for _ in range(self.world)]
+        dist.all_gather(gathered, raw)
+        return [bytes(t.cpu().tolist()).hex() for t in gathered]
 
     def all_sum(self, values: list[float]) -> list[float]:
         if self.world == 1 or not dist.is_initialized():
@@ -59,6 +72,7 @@ class RayReporter:
         with tempfile.TemporaryDirectory() as tmp:
             save_safetensors(state, Path(tmp) / CHECKPOINT_WEIGHTS)
             (Path(tmp) / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+            (Path(tmp) / CHECKPOINT_NODES).write_text(json.dumps(self.nodes))
             if trainer is not None:
                 torch.save(trainer, Path(tmp) / TRAINER_STATE)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))

@@ -31,7 +31,7 @@ def debug_run(ray_session, tmp_path_factory):
     return cfg, summary
 
 
-def test_summary_lists_every_stage(debug_run):
+def test_summary_lists_every_stage(debug_run, ray_session):
     cfg, summary = debug_run
     on_disk = json.loads((Path(summary["storage"]) / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
@@ -49,6 +49,8 @@ def test_summary_lists_every_stage(debug_run):
         assert len(stage["history"]) == stage_cfg.train.epochs
         assert {"name", "metrics", "wall_s", "trainable_params", "frozen_params", "artifact", "digest"} <= set(stage)
     assert summary["stages"][1]["num_workers"] == 2  # DDP over gloo
+    node = ray_session.get_runtime_context().get_node_id()
+    assert [s["nodes"] for s in summary["stages"]] == [[node], [node, node], [node]]  # one per rank, one node here
     assert summary["stages"][0]["frozen_params"] == 0
     assert (
         summary["stages"][2]["frozen_params"]

@@ -30,7 +30,7 @@ from cascade_ray.pipeline.records import (
 )
 from cascade_ray.pipeline.stages import StageSession, stage_fingerprint
 from cascade_ray.stage.setup import build_stage_model
-from cascade_ray.stage.worker import CHECKPOINT_STATE, CHECKPOINT_WEIGHTS
+from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, CHECKPOINT_WEIGHTS
 
 
 def _state():
@@ -173,6 +173,8 @@ def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
     save_safetensors(to_numpy_state(model.state_dict()), ckpt / CHECKPOINT_WEIGHTS)
     metrics = {"epoch": 1, "step": 9, "train_loss": 1.5, "val_loss": 1.2, "val_accuracy": 0.6}
     (ckpt / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+    nodes = ["a" * 56, "b" * 56]  # what rank 0 wrote: each rank's node, in rank order
+    (ckpt / CHECKPOINT_NODES).write_text(json.dumps(nodes))
     session = StageSession(cfg, tmp_path / "run", "data-ref", "d" * 64, data.image_shape, data.num_classes)
     fp = stage_fingerprint(cfg, 0, "", "d" * 64)
     trained, handoff = session.finish(
@@ -184,6 +186,7 @@ def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
     assert (first.status, again.status, again.wall_s) == ("trained", "reused", 0.0)
     assert first.model_dump(exclude={"status", "wall_s"}) == again.model_dump(exclude={"status", "wall_s"})
     assert first.metrics == metrics and first.history == [metrics] and first.fingerprint == fp == handoff.fingerprint
+    assert first.nodes == again.nodes == nodes  # the reused record carries the nodes that trained it
     manifest = read_manifest(Path(first.artifact) / MANIFEST)
     assert (manifest.stage, manifest.index, manifest.weights_sha256) == ("features", 0, first.digest)
     assert StageRecord.model_validate(trained) == first  # the dict the driver gets is the model's JSON form
@@ -213,6 +216,7 @@ def test_device_decisions_ride_in_manifest_and_record_and_older_artifacts_still_
     }
     old = Manifest.model_validate(base)
     assert old.precision is None and "precision" not in old.to_json()
+    assert old.nodes is None and "nodes" not in old.to_json()  # written before nodes were recorded
     choice = {"requested": "auto", "resolved": "fp32", "reason": "CPU AVX2: bf16 would be emulated"}
     new = Manifest.model_validate({**base, "precision": choice, "memory_format": "contiguous"})
     record = StageRecord.from_manifest(new, name="features", type="module", status="reused", wall_s=0.0, artifact="a")

@@ -194,3 +194,72 @@ def test_sync_batchnorm_leaves_frozen_upstream_batchnorm_alone(debug_raw):
     assert any(type(m) is nn.BatchNorm2d for m in model.blocks["features"].modules())
     model.train()
     assert not model.blocks["features"].training
+
+
+def test_placement_strategy_defaults_to_pack_and_reaches_ray_trains_scaling_config(debug_raw, monkeypatch, tmp_path):
+    assert validate_config(debug_raw).stages[1].scaling.placement_strategy == "PACK"
+    cfg = _cfg(debug_raw, placement_strategy="STRICT_SPREAD")
+    made = {}
+
+    class Trainer:  # stands in for StageTrainer: what fit_stage hands Ray Train
+        def __init__(self, loop, **kwargs):
+            made.update(kwargs)
+
+        def fit(self):
+            return "result"
+
+    monkeypatch.setattr(fit, "StageTrainer", Trainer)
+    monkeypatch.setattr(fit, "cluster_view", lambda: Cluster(({"CPU": 1.0},) * 2, hosts=1))
+    assert fit.fit_stage(cfg, 1, data_ref="data", upstream_ref=None, ray_dir=tmp_path, run_name="r") == "result"
+    assert made["scaling_config"].placement_strategy == "STRICT_SPREAD"
+    assert made["scaling_config"].num_workers == 2  # the encoder's
+
+
+@pytest.mark.parametrize("value", ["strict_spread", "Spread", "STRICTSPREAD"])
+def test_placement_strategy_miscased_or_misspelt_is_an_error_naming_the_key(debug_raw, value):
+    debug_raw["stages"][1]["scaling"]["placement_strategy"] = value
+    with pytest.raises(ConfigError) as info:
+        validate_config(debug_raw)
+    text = str(info.value)
+    assert "stages[1].scaling.placement_strategy" in text and "did you mean" in text
+    assert "PACK, SPREAD, STRICT_PACK, STRICT_SPREAD" in text
+
+
+def test_strict_spread_needs_one_node_per_worker_that_fits_one(debug_raw):
+    cfg = _cfg(debug_raw, num_workers=2, placement_strategy="STRICT_SPREAD")
+    # 2 CPUs on one node hold both workers, but not on two different nodes
+    with pytest.raises(ResourceError) as info:
+        check_resources(cfg, LAPTOP)
+    text = str(info.value)
+    assert text.startswith("stages[0].scaling.placement_strategy: stage 'features' asks for STRICT_SPREAD")
+    assert "at most 1 that way" in text and "placement_strategy: SPREAD" in text and info.value.exit_code == 2
+    head_and_two_nodes = Cluster(({"CPU": 0.0}, {"CPU": 1.0}, {"CPU": 1.0}))  # local_head.sh start + add-node x2
+    check_resources(cfg, head_and_two_nodes)
+    with pytest.raises(ResourceError, match="STRICT_SPREAD"):
+        check_resources(
+            _cfg(debug_raw, num_workers=3, placement_strategy="STRICT_SPREAD"), Cluster(({"CPU": 4.0},) * 2)
+        )
+    # SPREAD is best effort: any placement that fits passes
+    check_resources(_cfg(debug_raw, num_workers=2, placement_strategy="SPREAD"), LAPTOP)
+
+
+def test_strict_pack_needs_one_node_that_holds_every_worker(debug_raw):
+    cfg = _cfg(debug_raw, num_workers=2, placement_strategy="STRICT_PACK")
+    check_resources(cfg, LAPTOP)
+    with pytest.raises(ResourceError, match=r"STRICT_PACK: 2 worker\(s\) x \{CPU: 1\} all on one node"):
+        check_resources(cfg, Cluster(({"CPU": 1.0},) * 2))
+    pack = _cfg(debug_raw, num_workers=2, placement_strategy="PACK")
+    check_resources(pack, Cluster(({"CPU": 1.0},) * 2))  # PACK spills over
+
+
+def test_autoscaler_groups_count_as_nodes_for_strict_spread(debug_raw):
+    cfg = _cfg(debug_raw, num_workers=4, placement_strategy="STRICT_SPREAD")
+    check_resources(cfg, Cluster(({"CPU": 0.0},), groups=(({"CPU": 1.0}, 4),), autoscaling=True))
+    with pytest.raises(ResourceError, match="STRICT_SPREAD"):
+        check_resources(cfg, Cluster(({"CPU": 0.0},), groups=(({"CPU": 8.0}, 2),), autoscaling=True))
+
+
+def test_use_gpu_auto_follows_the_placement_strategy(debug_raw):
+    cfg = _cfg(debug_raw, num_workers=2, placement_strategy="STRICT_SPREAD")
+    assert not resolve_use_gpu(cfg.stages[0], GPU_BOX)  # 2 GPUs, but on one node
+    assert resolve_use_gpu(cfg.stages[0], Cluster(({"CPU": 4.0, "GPU": 1.0},) * 2, hosts=2))

@@ -204,3 +204,25 @@ def test_unknown_filesystem_on_a_multi_node_cluster_is_a_loud_warning(mounts):
     lines = []
     check_shared_storage(Path("/mnt/odd/runs"), hosts=2, may_add_nodes=False, log=lines.append, mounts_file=mounts)
     assert len(lines) == 1 and lines[0].startswith("WARNING: storage_path") and "fix:" in lines[0]
+
+
+def test_several_nodes_on_one_host_are_one_machine_for_the_local_storage_check(mounts):
+    from cascade_ray.pipeline.fit import count_hosts, is_local_address
+
+    here = {"127.0.0.1", "192.0.2.2"}.__contains__  # this host's addresses, as a fake
+    # local_head.sh start + add-node x2: every node reports the host's address (or loopback)
+    assert count_hosts(["192.0.2.2"] * 3, here) == 1
+    assert count_hosts(["192.0.2.2", "127.0.0.1", "127.0.0.1"], here) == 1
+    check_shared_storage(
+        Path("/home/u/runs"), hosts=count_hosts(["192.0.2.2"] * 3, here), may_add_nodes=False, mounts_file=mounts
+    )
+    # three machines (the driver's and two others): node-local storage is refused
+    hosts = count_hosts(["192.0.2.2", "10.0.0.7", "10.0.0.8", "10.0.0.8"], here)
+    assert hosts == 3
+    with pytest.raises(ConfigError, match="3 machines"):
+        check_shared_storage(Path("/home/u/runs"), hosts=hosts, may_add_nodes=False, mounts_file=mounts)
+    # a driver on none of the nodes' machines (Ray Client): every distinct address is a machine
+    assert count_hosts(["10.0.0.7", "10.0.0.8"], here) == 2
+    # the real probe: loopback is this machine; TEST-NET-3 and an unparsable name are not
+    assert is_local_address("127.0.0.1") and is_local_address("::1")
+    assert not is_local_address("203.0.113.77") and not is_local_address("not-an-ip") and not is_local_address("")
