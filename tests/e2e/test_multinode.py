@@ -42,9 +42,6 @@ OVERRIDES = [
     "stages.encoder.train.batch_size=8",
 ]
 JOB_TIMEOUT_S = 420
-# Tune's storage: a local folder (every node of this one-host cluster sees it) until Tune on
-# s3:// works (issue 15 item 1: "Missing bucket name in S3 URI" from Ray Train's storage setup)
-TUNE_ON_S3 = True
 
 
 @dataclass
@@ -255,19 +252,13 @@ def test_tune_trials_of_one_sweep_run_on_different_nodes(cluster, s3, tmp_path):
         "stage: encoder\nmetric: val_accuracy\nmode: max\nnum_samples: 1\nsearch: grid\n"
         "scheduler: {type: fifo}\nspace:\n  solver.lr: {grid: [1.0e-2, 3.0e-3]}\n"
     )
-    storage = s3.uri("multinode", "tune") if TUNE_ON_S3 else str(tmp_path / "runs")
+    storage = s3.uri("multinode", "tune")
     entry = ["python", "-m", "cascade_ray.cli", "tune", "pipelines/configs/debug.yaml", "--space", str(space)]
     # one worker per trial: the two trials (one per CPU) run at once, one on each 1-CPU node
     job_id, done = _submit(cluster, [*entry, f"storage_path={storage}", "stages.encoder.scaling.num_workers=1"])
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    if TUNE_ON_S3:
-        found = [k for k in s3.keys("multinode/tune/debug/tune/encoder/trials") if k.endswith("/nodes.json")]
-        per_trial = {k.split("/trials/")[1].split("/")[0]: json.loads(_read(s3, k)) for k in found}
-    else:
-        found = list(
-            (tmp_path / "runs" / "debug" / "tune" / "encoder" / "trials").glob("trial-*/checkpoint_*/nodes.json")
-        )
-        per_trial = {p.parts[-3]: json.loads(p.read_text()) for p in found}
+    found = [k for k in s3.keys("multinode/tune/debug/tune/encoder/trials") if k.endswith("/nodes.json")]
+    per_trial = {k.split("/trials/")[1].split("/")[0]: json.loads(_read(s3, k)) for k in found}
     assert len(per_trial) == 2, found
     assert all(len(nodes) == 1 for nodes in per_trial.values())
     assert sorted(n for nodes in per_trial.values() for n in nodes) == sorted(cluster.node_ids().values()), per_trial
