@@ -191,6 +191,25 @@ def test_strict_spread_stage_runs_on_both_worker_nodes_and_tasks_compute_the_fea
     assert reference["storage"] == s3.uri("multinode", "reference", "debug")
 
 
+def test_resume_report_and_export_of_the_cluster_run_on_s3(cluster, reference, s3):
+    """The rest of a user's day with that run: `--resume` as a job reuses every stage from the
+    bucket; `cascade-ray report` / `export` take its URI (they run here, reading the bucket)."""
+    job_id, done = _submit(cluster, [*_pipeline(s3.uri("multinode", "reference")), *OVERRIDES, "--resume"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    summary = json.loads(_read(s3, "multinode/reference/debug/summary.json"))
+    assert [st["status"] for st in summary["stages"]] == ["reused"] * 3
+    assert summary["test_accuracy"] == reference["test_accuracy"]
+    run = s3.uri("multinode", "reference", "debug")
+    tool_env = cluster.env | s3.env  # the user's shell: the bucket's endpoint and keys
+    report = _run([BIN / "cascade-ray", "report", run], tool_env, timeout=300)
+    assert report.returncode == 0 and report.stdout.strip() == f"{run}/report/report.md", report.stderr[-3000:]
+    export = _run([BIN / "cascade-ray", "export", run], tool_env, timeout=300)
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert json.loads(export.stdout)["path"] == f"{run}/export/model.ts"
+    keys = s3.keys("multinode/reference/debug")
+    assert {"multinode/reference/debug/report/confusion.png", "multinode/reference/debug/export/model.ts"} <= set(keys)
+
+
 def _latest_encoder_epoch(s3, prefix: str) -> tuple[int, list[str]]:
     """(epoch of the encoder's newest stored checkpoint, its ranks' nodes); (0, []) before the first."""
     states = [k for k in s3.keys(prefix) if re.search(r"/ray/01-encoder-[^/]+/checkpoint_[^/]+/train_state\.json$", k)]
