@@ -12,6 +12,16 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from paths import CONFIGS
 
+SLOW_DIRS = ("integration", "e2e")  # they start Ray, clusters or servers and run pipelines
+
+
+def pytest_collection_modifyitems(items):
+    """Every test under tests/integration and tests/e2e is ``slow``: ``pytest -m 'not slow' tests``
+    runs the unit and pitfall suites only (a few minutes); CI runs everything."""
+    for item in items:
+        if Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0] in SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
