@@ -226,11 +226,6 @@ class UriPath:
             return
         self.fs.delete_file(self.path)
 
-    def rmtree(self) -> None:
-        """Delete this folder and everything under it (nothing when it does not exist)."""
-        if self.exists():
-            self.fs.delete_dir(self.path)
-
 
 StorageDir = Path | UriPath
 
@@ -318,21 +313,17 @@ def read_table(path: StorageDir, **kwargs) -> pa.Table:
 
 
 def write_table(table: pa.Table, path: StorageDir) -> None:
-    """``pq.write_table`` to a local file (parents created) or one on a pyarrow filesystem."""
+    """``pq.write_table`` to a local file (parents created; written to a temporary name and renamed
+    into place, so a reader never sees half a file) or one on a pyarrow filesystem (an object
+    appears whole when its upload completes)."""
     if isinstance(path, UriPath):
         with path.open("wb") as sink:
             pq.write_table(table, sink)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
-
-
-def rmtree(path: StorageDir) -> None:
-    """Delete a folder and everything under it, local or on a pyarrow filesystem (no error when absent)."""
-    if isinstance(path, UriPath):
-        path.rmtree()
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    tmp.rename(path)
 
 
 def resolve_files(spec: str | os.PathLike, suffix: str = ".parquet") -> list[StorageDir]:

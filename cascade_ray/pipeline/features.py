@@ -39,7 +39,7 @@ from cascade_ray.checks.semantic import cache_refusals
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ResourceError
 from cascade_ray.pipeline.records import FeatureCacheRecord
-from cascade_ray.storage import StorageDir, UriPath
+from cascade_ray.storage import StorageDir, write_table
 
 CACHE_VERSION = 1
 CACHE_DIR = "cache"
@@ -325,7 +325,7 @@ def upstream_outputs(
 
 def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray]) -> None:
     """One row per sample (``split``, flattened ``x``); shapes and the key in the schema metadata.
-    Local files are written to a temporary name and renamed into place."""
+    Local files are written to a temporary name and renamed into place (:func:`write_table`)."""
     shape = arrays["x_train"].shape[1:]
     width = math.prod(shape)
     columns = {"split": [], "x": []}
@@ -341,15 +341,7 @@ def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray]) ->
             "cascade_ray.version": str(CACHE_VERSION),
         }
     )
-    if isinstance(path, UriPath):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as sink:
-            pq.write_table(table, sink)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    tmp.rename(path)
+    write_table(table, path)
 
 
 def _read_parquet(

@@ -83,10 +83,8 @@ _ATTEMPTS = 5  # create / take over rounds before giving up on a lock that keeps
 
 def display(run: StorageDir) -> str:
     """`run` for messages: a URI without user info or query options (they may hold keys)."""
-    if not isinstance(run, UriPath):
-        return str(run)
-    head, sep, rest = run.path.partition("/")
-    return f"{run.scheme}://{head.rpartition('@')[2]}{sep}{rest}"
+    # user info never reaches run.path (parse_uri keeps it in run.auth)
+    return f"{run.scheme}://{run.path}" if isinstance(run, UriPath) else str(run)
 
 
 def _now() -> str:

@@ -126,11 +126,10 @@ class LocalLockStore:
         return True
 
 
-def _bucket_key(run: UriPath) -> tuple[str, str, str]:
-    """(bucket, key of the lock, user info) of an object-store run folder."""
+def _bucket_key(run: UriPath) -> tuple[str, str]:
+    """(bucket, key of the lock) of an object-store run folder."""
     bucket, _, prefix = run.path.partition("/")
-    userinfo, _, bucket = bucket.rpartition("@")
-    return bucket, f"{prefix}/{LOCK_NAME}".lstrip("/"), userinfo
+    return bucket, f"{prefix}/{LOCK_NAME}".lstrip("/")
 
 
 def s3_client(run: UriPath) -> Any:
@@ -159,9 +158,8 @@ def s3_client(run: UriPath) -> Any:
         kwargs["endpoint_url"] = endpoint if "://" in endpoint else f"{options.get('scheme', 'https')}://{endpoint}"
     if region := options.get("region"):
         kwargs["region_name"] = region
-    userinfo = _bucket_key(run)[2]
-    if userinfo:
-        key, _, secret = userinfo.partition(":")
+    if run.auth:  # s3://key:secret@bucket/... (parse_uri keeps user info out of run.path)
+        key, _, secret = run.auth.partition(":")
         kwargs |= {"aws_access_key_id": key, "aws_secret_access_key": secret}
     return boto3.client("s3", **kwargs)
 
@@ -178,7 +176,7 @@ class S3LockStore:
     """The ``{run}/.lock`` object on S3 (or an S3-compatible store), by conditional requests."""
 
     def __init__(self, run: UriPath, client: Any = None):
-        self.bucket, self.key, _ = _bucket_key(run)
+        self.bucket, self.key = _bucket_key(run)
         self.where = f"s3://{self.bucket}/{self.key}"
         self.client = client if client is not None else s3_client(run)  # ConfigError without boto3
         from botocore.exceptions import ClientError
@@ -233,7 +231,7 @@ class GcsLockStore:
     """The ``{run}/.lock`` object on Google Cloud Storage, by generation preconditions."""
 
     def __init__(self, run: UriPath, bucket: Any = None, errors: tuple[type, type] | None = None):
-        name, self.key, _ = _bucket_key(run)
+        name, self.key = _bucket_key(run)
         self.where = f"{run.scheme}://{name}/{self.key}"
         if bucket is None:
             try:

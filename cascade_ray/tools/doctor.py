@@ -90,12 +90,13 @@ def check_storage(storage: str | None) -> list[Check]:
         from cascade_ray.storage import as_storage
 
         try:
-            issues = storage_issues(as_storage(storage))
+            where = as_storage(storage)
+            issues = storage_issues(where)
         except ConfigError as exc:
             issues = list(exc.issues)
         if issues:
             return [("FAIL", "storage", issue.render()) for issue in issues]
-        return [("ok", "storage", f"{as_storage(storage)}: a probe object was written, read back and deleted")]
+        return [("ok", "storage", f"{where}: a probe object was written, read back and deleted")]
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path):
