@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cascade_ray.api import load_config, run_pipeline
 from cascade_ray.cli import add_run_args, parse_args, run_options
+from cascade_ray.config.metrics import HEADLINE_METRIC
 from cascade_ray.errors import CascadeError
 from cascade_ray.logs import apply_log_level
 
@@ -66,7 +67,8 @@ def main() -> int:
         return exc.exit_code
 
     # 3. the result
-    print(f"test_accuracy={summary['test_accuracy']:.4f} summary={summary['storage']}/summary.json")
+    metric = HEADLINE_METRIC[summary["target_kind"]]  # accuracy, map (multilabel) or r2 (regression)
+    print(f"test_{metric}={summary['test_metrics'][metric]:.4f} summary={summary['storage']}/summary.json")
     return 0
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from cascade_ray.checks.params import param_group_issues
-from cascade_ray.config.schema import PipelineConfig, StageConfig
+from cascade_ray.config.metrics import epoch_metric_names
+from cascade_ray.config.schema import NormalizeStats, PipelineConfig, StageConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models import ModelSpecError, check_kwargs, resolve_factory
 from cascade_ray.solver import stage_solver_issues
@@ -33,7 +34,7 @@ def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
                 )
             )
         seen.setdefault(stage.name, i)
-        issues += _stage_issues(stage, i, path, [s.name for s in cfg.stages[:i]])
+        issues += _stage_issues(stage, i, path, [s.name for s in cfg.stages[:i]]) + _metric_issues(cfg, stage, path)
     if not issues:  # needs buildable stages: param-group patterns against the real parameter names (meta device)
         issues += param_group_issues(cfg)
     return issues
@@ -53,15 +54,70 @@ def _data_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
                     )
                 )
     else:
-        for key in ("path", "test_path", "image_shape"):
-            if getattr(data, key) is not None:
+        for key, value in (("path", data.path), ("test_path", data.test_path), ("inputs.shape", data.inputs.shape)):
+            if value is not None:
                 issues.append(
                     ConfigIssue(
                         f"data.{key}",
-                        f"only used with data.source: parquet (source is {data.source!r})",
+                        f"only used with data.source: parquet (source is {data.source!r})"
+                        + (" (data.image_shape is its image-case spelling)" if key == "inputs.shape" else ""),
                         f"remove data.{key}",
                     )
                 )
+        if data.target.kind != "class":
+            issues.append(
+                ConfigIssue(
+                    "data.target.kind",
+                    f"{data.source} holds class labels, not {data.target.kind} targets",
+                    "remove data.target.kind, or use data.source: parquet",
+                )
+            )
+    target = data.target
+    if target.kind == "regression" and target.num_classes is not None:
+        issues.append(
+            ConfigIssue("data.target.num_classes", "regression targets have no classes", "use data.target.dim")
+        )
+    if target.kind != "regression" and target.dim is not None:
+        issues.append(
+            ConfigIssue(
+                "data.target.dim",
+                f"only for regression targets (kind is {target.kind!r})",
+                "use data.target.num_classes",
+            )
+        )
+    if isinstance(data.normalize, NormalizeStats) and len(data.normalize.mean) != len(data.normalize.std):
+        issues.append(
+            ConfigIssue(
+                "data.normalize.std",
+                f"{len(data.normalize.std)} values but data.normalize.mean has {len(data.normalize.mean)}",
+                "give mean and std the same length",
+            )
+        )
+    return issues
+
+
+def _metric_issues(cfg: PipelineConfig, stage: StageConfig, path: str) -> list[ConfigIssue]:
+    """Every epoch metric a stage watches must be one the data's target kind reports."""
+    kind = cfg.data.target.kind
+    known = epoch_metric_names(kind, cfg.data.target.num_classes)
+    watched = [(f"{path}.train.metric", stage.train.metric)]
+    if stage.train.early_stopping is not None:
+        watched.append((f"{path}.train.early_stopping.metric", stage.train.early_stopping.metric))
+    if stage.solver.lr_scheduler.type == "ReduceLROnPlateau":
+        watched.append((f"{path}.solver.lr_scheduler.monitor", stage.solver.lr_scheduler.monitor))
+    issues = []
+    for key, metric in watched:
+        valid = [m for m in known if m != "train_loss"] if key.endswith("train.metric") else known
+        if metric == "auto" and key.endswith("train.metric"):
+            continue
+        if metric not in valid:
+            issues.append(
+                ConfigIssue(
+                    key,
+                    f"{metric!r} is not reported for data.target.kind {kind!r}{did_you_mean(metric, valid)}",
+                    f"use one of: {', '.join(valid)}",
+                )
+            )
     return issues
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 STAGE_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 
@@ -20,8 +20,69 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+TargetKind = Literal["class", "multilabel", "regression"]
+# data.image_column / label_column / image_shape: the image-case spellings of data.inputs / data.target
+_DATA_ALIASES = {
+    "image_column": ("inputs", "column"),
+    "image_shape": ("inputs", "shape"),
+    "label_column": ("target", "column"),
+}
+
+
+class InputsConfig(_Strict):
+    """The model input: one column, one tensor per row."""
+
+    column: str = Field("image", description="Parquet column holding each row's input tensor.")
+    shape: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=3,
+        description="Per-row shape: `[C, H, W]` images, `[T, D]` sequences, `[D]` feature vectors. "
+        "Inferred from the file (an Arrow tensor type, or the `cascade_ray.image_shape` metadata "
+        "`write_parquet` stores); a flat list column without either is a `[D]` vector. Set it to "
+        "reshape a flat column (e.g. `[1, 28, 28]` for 784 pixels).",
+    )
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(d <= 0 for d in value):
+            raise ValueError(f"every dimension must be > 0, got {value}")
+        return value
+
+
+class TargetConfig(_Strict):
+    """What the model predicts, and from which column."""
+
+    column: str = Field("label", description="Parquet column holding each row's target.")
+    kind: TargetKind = Field(
+        "class",
+        description="`class`: one integer class index per row (softmax over `num_classes`); "
+        "`multilabel`: a list of `num_classes` 0/1 flags per row (one sigmoid each); "
+        "`regression`: a number, or a list of `dim` numbers, per row.",
+    )
+    num_classes: int | None = Field(
+        None, ge=2, description="Classes (class, multilabel); null infers them from the data."
+    )
+    dim: int | None = Field(None, ge=1, description="Regression: values per row; null infers them (1 for a scalar).")
+
+
+class NormalizeStats(_Strict):
+    """Explicit normalization: `(x - mean) / std`, per channel (images) or per feature."""
+
+    mean: list[float] = Field(min_length=1, description="One value per channel / feature, or one for all.")
+    std: list[float] = Field(min_length=1, description="One value per channel / feature, or one for all; each > 0.")
+
+    @field_validator("std")
+    @classmethod
+    def _positive(cls, value: list[float]) -> list[float]:
+        if any(not v > 0 for v in value):
+            raise ValueError(f"every std must be > 0, got {value}")
+        return value
+
+
 class DataConfig(_Strict):
-    """Where the training data comes from and how it is split."""
+    """Where the training data comes from, what it holds and how it is split."""
 
     source: Literal["digits", "fashion_mnist", "parquet"] = Field(
         "fashion_mnist",
@@ -36,22 +97,43 @@ class DataConfig(_Strict):
     test_path: str | None = Field(
         None, description="Parquet file, folder or glob with the test rows (source: parquet)."
     )
-    image_column: str = Field("image", description="Parquet column holding the images.")
-    label_column: str = Field("label", description="Parquet column holding integer labels.")
-    image_shape: list[int] | None = Field(
-        None,
-        min_length=3,
-        max_length=3,
-        description="(C, H, W) of a flat parquet image column; inferred when stored in the file.",
+    inputs: InputsConfig = Field(default_factory=InputsConfig, description="The input column and its per-row shape.")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="The target column and its kind.")
+    normalize: Literal["auto", "none"] | NormalizeStats = Field(
+        "auto",
+        description="`auto`: per-channel (images) or per-feature (vectors, sequences) mean/std of the "
+        "training split; `none`: raw values; `{mean: [...], std: [...]}`: the statistics a pretrained "
+        "stage expects. The values used are written to every stage manifest.",
     )
     train_size: int | None = Field(
         None,
         gt=0,
-        description="Stratified, seeded subset of the training split to use; null means all.",
+        description="Seeded subset of the training split to use (stratified for class targets); null means all.",
     )
     val_fraction: float = Field(
         0.1, gt=0.0, lt=1.0, description="Fraction of the training subset held out for validation."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, value: Any) -> Any:
+        """`image_column` / `image_shape` / `label_column` are accepted spellings of
+        `inputs.column` / `inputs.shape` / `target.column`; giving both is an error."""
+        if not isinstance(value, dict) or not any(k in value for k in _DATA_ALIASES):
+            return value
+        value = dict(value)
+        for alias, (section, key) in _DATA_ALIASES.items():
+            if alias not in value:
+                continue
+            given = value.pop(alias)
+            part = dict(value.get(section) or {})
+            if key in part and part[key] != given:
+                raise ValueError(
+                    f"data.{alias} ({given!r}) and data.{section}.{key} ({part[key]!r}) disagree; keep data.{section}.{key}"
+                )
+            part[key] = given
+            value[section] = part
+        return value
 
 
 class ModelConfig(_Strict):
@@ -97,13 +179,19 @@ class AdapterConfig(_Strict):
 class LossConfig(_Strict):
     """The stage's loss and its weight."""
 
-    type: Literal["cross_entropy"] = Field("cross_entropy", description="Loss function.")
+    type: str = Field(
+        "cross_entropy",
+        description="`cross_entropy` (class targets), `bce` (multilabel: one sigmoid per class), `mse` or "
+        "`huber` (regression), or `package.module:Callable` returning a loss module called as "
+        "`loss(outputs, targets)` (checked on the meta device before Ray starts).",
+    )
     scale: float = Field(
         1.0,
         gt=0.0,
         description="Multiplier on this stage's loss; in a joint stage, this stage's weight in the summed loss.",
     )
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="Cross-entropy label smoothing.")
+    huber_delta: float = Field(1.0, gt=0.0, description="`huber`: where the loss turns from quadratic to linear.")
     weighting: Literal["static", "uncertainty"] = Field(
         "static",
         description="Joint stages only: `static` sums `scale_i * loss_i`; `uncertainty` learns one "
@@ -182,8 +270,10 @@ class SchedulerConfig(_Strict):
     threshold: float = Field(
         1e-4, ge=0.0, description="ReduceLROnPlateau: relative change of `monitor` that counts as improvement."
     )
-    monitor: Literal["val_loss", "val_accuracy", "train_loss"] = Field(
-        "val_loss", description="ReduceLROnPlateau: the epoch metric watched (accuracy up, losses down)."
+    monitor: str = Field(
+        "val_loss",
+        description="ReduceLROnPlateau: the epoch metric watched (`train_loss` or a `val_` metric of the "
+        "target kind; losses and errors down, the rest up).",
     )
 
 
@@ -300,9 +390,11 @@ class AugmentConfig(_Strict):
 class EarlyStoppingConfig(_Strict):
     """Stop a stage when an epoch metric has not improved for a while."""
 
-    metric: Literal["val_loss", "val_accuracy", "train_loss"] = Field("val_loss", description="Epoch metric watched.")
+    metric: str = Field(
+        "val_loss", description="Epoch metric watched: `train_loss` or a `val_` metric of the target kind."
+    )
     mode: Literal["min", "max"] | None = Field(
-        None, description="Direction of improvement; null infers it (accuracy: max, losses: min)."
+        None, description="Direction of improvement; null infers it (losses and errors: min, the rest: max)."
     )
     patience: int = Field(3, ge=1, description="Epochs without improvement before the stage stops.")
     min_delta: float = Field(0.0, ge=0.0, description="Smallest change that counts as an improvement.")
@@ -324,8 +416,12 @@ class TrainConfig(_Strict):
     augment: AugmentConfig = Field(
         default_factory=AugmentConfig, description="Random augmentation of this stage's training batches."
     )
-    metric: Literal["val_accuracy", "val_loss"] = Field(
-        "val_accuracy", description="Metric that selects the best checkpoint."
+    metric: str = Field(
+        "auto",
+        description="Validation metric that selects the best checkpoint: `auto` (class: `val_accuracy`, "
+        "multilabel: `val_map`, regression: `val_loss`) or any `val_` metric of the target kind "
+        "(class: loss, accuracy, top5_accuracy with >= 10 classes; multilabel: loss, micro_f1, map; "
+        "regression: loss, mae, rmse, r2).",
     )
     early_stopping: EarlyStoppingConfig | None = Field(
         None, description="Stop early on a plateau; null trains every epoch."

@@ -1,5 +1,8 @@
 """Batches from in-memory arrays: a distributed sampler over indices, then one slice per batch.
 
+:class:`BatchSource` is what the stage loop reads batches from; :class:`ArraySource` is the
+in-memory one.
+
 Slicing whole batches out of the (shared, read-only) numpy arrays avoids the per-sample
 collate of a ``DataLoader`` over a ``TensorDataset``, which dominates step time for
 small images on CPU.
@@ -8,8 +11,8 @@ small images on CPU.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -47,13 +50,13 @@ def num_optimizer_steps(n: int, batch_size: int, world: int, accumulation_steps:
     return -(-num_train_batches(n, batch_size, world) // accumulation_steps)
 
 
-def accumulation_windows(batches: Sequence[T], steps: int) -> Iterator[tuple[T, int, bool]]:
-    """Yield ``(micro_batch, window_size, is_last_in_window)`` over one epoch's micro-batches.
+def accumulation_windows(batches: Iterable[T], n: int, steps: int) -> Iterator[tuple[T, int, bool]]:
+    """Yield ``(micro_batch, window_size, is_last_in_window)`` over one epoch's `n` micro-batches.
 
     Windows hold `steps` micro-batches; the epoch's last window holds what is left, so
     its loss is divided by its own size and no micro-batch is dropped or carried over.
+    `batches` may be a stream: only its count `n` must be known up front.
     """
-    n = len(batches)
     for i, batch in enumerate(batches):
         start = i - i % steps
         size = min(steps, n - start)
@@ -82,20 +85,56 @@ def augment(x: torch.Tensor, cfg: AugmentConfig, generator: torch.Generator | No
     return x
 
 
-class ArraySource:
-    """Images and labels of one split, normalized per batch on the way to the device."""
+Batch = tuple[torch.Tensor, torch.Tensor]
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, mean: float, std: float, device: torch.device):
+
+class BatchSource(Protocol):
+    """Where a stage's batches come from: in-memory arrays (:class:`ArraySource`) or a Ray Data
+    stream (:mod:`cascade_ray.data.stream`). Inputs come out normalized, float32, on the device."""
+
+    def __len__(self) -> int:
+        """Rows of the split, over all ranks."""
+
+    def num_train_batches(self, batch_size: int, world: int) -> int:
+        """Micro-batches per epoch per rank, the same on every rank (DDP steps in lock-step)."""
+
+    def train_epoch(self, batch_size: int, *, rank: int, world: int, seed: int, epoch: int) -> Iterator[Batch]:
+        """This rank's shuffled batches of one epoch (the order depends on `seed` and `epoch`)."""
+
+    def eval_epoch(self, batch_size: int, *, rank: int, world: int) -> Iterator[Batch]:
+        """This rank's share of the split, every row exactly once across ranks."""
+
+
+class ArraySource:
+    """Inputs and targets of one split in memory, normalized per batch on the way to the device.
+
+    `mean` / `std` broadcast to one row (per channel (C, 1, 1), per feature (D,), or a scalar).
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, mean: Any, std: Any, device: torch.device):
         with warnings.catch_warnings():
             # object-store arrays are read-only; indexing below always copies
             warnings.simplefilter("ignore", UserWarning)
             self.x = torch.from_numpy(np.asarray(x))
             self.y = torch.from_numpy(np.asarray(y))
-        self.mean, self.std, self.device = float(mean), float(std), device
+        self.mean = torch.as_tensor(np.asarray(mean, dtype=np.float32))
+        self.std = torch.as_tensor(np.asarray(std, dtype=np.float32))
+        self.device = device
 
     def __len__(self) -> int:
         return len(self.y)
 
-    def batch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, index: torch.Tensor) -> Batch:
         x = (self.x[index].to(torch.float32) - self.mean) / self.std
         return x.to(self.device, non_blocking=True), self.y[index].to(self.device, non_blocking=True)
+
+    def num_train_batches(self, batch_size: int, world: int) -> int:
+        return num_train_batches(len(self), batch_size, world)
+
+    def train_epoch(self, batch_size: int, *, rank: int, world: int, seed: int, epoch: int) -> Iterator[Batch]:
+        for index in train_batches(len(self), batch_size, rank=rank, world=world, seed=seed, epoch=epoch):
+            yield self.batch(index)
+
+    def eval_epoch(self, batch_size: int, *, rank: int, world: int) -> Iterator[Batch]:
+        for index in eval_batches(len(self), batch_size, rank=rank, world=world):
+            yield self.batch(index)

@@ -10,7 +10,7 @@ import numpy as np
 
 from cascade_ray.data.splits import (
     DataSplits,
-    image_stats,
+    input_stats,
     stratified_subset_and_val,
     validate_splits,
 )
@@ -50,7 +50,7 @@ def load_digits(*, train_size: int | None, val_fraction: float, seed: int, test_
     x_tr, y_tr, x_val, y_val = stratified_subset_and_val(
         x_rest, y_rest, train_size=train_size, val_fraction=val_fraction, seed=seed
     )
-    mean, std = image_stats(x_tr)
+    mean, std = input_stats(x_tr)
     splits = DataSplits(
         x_train=x_tr,
         y_train=y_tr,

@@ -15,7 +15,7 @@ import numpy as np
 
 from cascade_ray.data.splits import (
     DataSplits,
-    image_stats,
+    input_stats,
     stratified_subset_and_val,
     validate_splits,
 )
@@ -128,7 +128,7 @@ def load_fashion_mnist(
         x_all, y_all, train_size=train_size, val_fraction=val_fraction, seed=seed
     )
     # Statistics over the training split only, so validation stays unseen.
-    mean, std = image_stats(x_tr)
+    mean, std = input_stats(x_tr)
     splits = DataSplits(
         x_train=x_tr,
         y_train=y_tr,

@@ -1,8 +1,11 @@
-"""Image classification data in Parquet: an image column and an integer label column.
+"""Training data in Parquet: an input column and a target column.
 
-The image column is a (fixed-size) list of numbers, or an ``arrow.fixed_shape_tensor``.
-:func:`write_parquet` stores the image shape in the schema metadata so that
-:func:`load_parquet` needs no ``image_shape`` for its own files.
+The input column is a (fixed-size) list of numbers, or an ``arrow.fixed_shape_tensor``, of
+any per-row shape ((C, H, W) images, (T, D) sequences, (D,) vectors). :func:`write_parquet`
+stores the shape in the schema metadata (key ``cascade_ray.image_shape``, kept for files
+written before other ranks existed) so that :func:`load_parquet` needs no
+``data.inputs.shape`` for its own files. Targets are class indices, lists of 0/1 flags
+(multilabel) or numbers / lists of numbers (regression).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pyarrow.parquet as pq
 
 from cascade_ray.data.splits import (
     DataSplits,
-    image_stats,
+    input_stats,
     stratified_subset_and_val,
     validate_splits,
 )
@@ -52,97 +55,109 @@ def _resolve_files(path: str | os.PathLike, knob: str) -> tuple[list[str], pafs.
     return [str(f) for f in files], None
 
 
-def _check_shape(shape: Sequence[int], flat_size: int, where: str) -> tuple[int, int, int]:
+def _check_shape(shape: Sequence[int], flat_size: int, where: str, key: str) -> tuple[int, ...]:
     dims = tuple(shape)
-    if len(dims) != 3 or not all(isinstance(d, (int, np.integer)) and d > 0 for d in dims):
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, (int, np.integer)) and d > 0 for d in dims):
         raise DataError(
-            f"{where}: image shape {list(dims)} is not 3 positive ints (C, H, W); "
-            "use e.g. [1, 28, 28] for single-channel images"
+            f"{where}: input shape {list(dims)} is not 1 to 3 positive ints; use [C, H, W] for images, "
+            "[T, D] for sequences or [D] for feature vectors"
         )
     if math.prod(dims) != flat_size:
         raise DataError(
-            f"{where}: image shape {list(dims)} holds {math.prod(dims)} values "
-            f"but each image has {flat_size}; fix data.image_shape"
+            f"{where}: input shape {list(dims)} holds {math.prod(dims)} values but each row has {flat_size}; fix {key}"
         )
-    return int(dims[0]), int(dims[1]), int(dims[2])
+    return tuple(int(d) for d in dims)
 
 
-def _list_images(arr: pa.Array, image_shape: Sequence[int] | None, meta_shape: list | None, where: str) -> np.ndarray:
+def _list_values(arr: pa.Array, where: str, what: str) -> tuple[np.ndarray, int]:
+    """The values of a list column as (rows, size) numpy, and the size; every row the same length."""
     n = len(arr)
     if pa.types.is_fixed_size_list(arr.type):
         size = arr.type.list_size
     else:
-        lengths = pc.list_value_length(arr).to_numpy()
+        lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
         size = int(lengths[0]) if n else 0
         if n and (lengths != size).any():
+            first = int(np.flatnonzero(lengths != size)[0])
             raise DataError(
-                f"{where}: image lists have lengths {int(lengths.min())}..{int(lengths.max())}; "
-                "every image must hold the same number of values"
+                f"{where}: {what} lists have lengths {int(lengths.min())}..{int(lengths.max())} (row {first} "
+                f"has {int(lengths[first])}, row 0 has {size}); every row must hold the same number of values"
             )
     values = arr.flatten()  # honours slice offsets, unlike .values
     if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
-        raise DataError(f"{where}: image values are {values.type}, expected numbers")
+        raise DataError(f"{where}: {what} values are {values.type}, expected numbers")
     if values.null_count:
-        raise DataError(f"{where}: {values.null_count} null pixel value(s); drop or fill them")
-    if image_shape is not None:
-        shape = _check_shape(image_shape, size, f"data.image_shape ({where})")
+        raise DataError(f"{where}: {values.null_count} null {what} value(s); drop or fill them")
+    return values.to_numpy(zero_copy_only=False).reshape(n, size), size
+
+
+def _list_inputs(arr: pa.Array, shape: Sequence[int] | None, meta_shape: list | None, where: str) -> np.ndarray:
+    flat, size = _list_values(arr, where, "input")
+    if shape is not None:
+        dims = _check_shape(shape, size, f"data.inputs.shape ({where})", "data.inputs.shape")
     elif meta_shape is not None:
-        shape = _check_shape(meta_shape, size, f"{where} schema metadata {_SHAPE_KEY_TEXT}")
-    elif math.isqrt(size) ** 2 == size and size > 0:
-        shape = (1, math.isqrt(size), math.isqrt(size))
+        dims = _check_shape(meta_shape, size, f"{where} schema metadata {_SHAPE_KEY_TEXT}", "data.inputs.shape")
     else:
-        raise DataError(
-            f"{where}: images hold {size} values, not a perfect square, so the "
-            "shape is ambiguous; set data.image_shape to [C, H, W]"
-        )
-    return values.to_numpy(zero_copy_only=False).reshape(n, *shape)
+        dims = (size,)  # a flat list with no stored shape is a feature vector
+    return flat.reshape(len(flat), *dims)
 
 
-def _tensor_images(arr: pa.ExtensionArray, image_shape: Sequence[int] | None, where: str) -> np.ndarray:
-    shape = tuple(arr.type.shape)
+def _tensor_inputs(arr: pa.ExtensionArray, shape: Sequence[int] | None, where: str) -> np.ndarray:
     x = arr.to_numpy_ndarray()
-    if len(shape) == 2:  # (H, W) tensors are single-channel images
-        x = x[:, None, :, :]
-    elif len(shape) != 3:
-        raise DataError(f"{where}: tensor shape {list(shape)} is neither (H, W) nor (C, H, W)")
-    if image_shape is not None and tuple(image_shape) != x.shape[1:]:
-        raise DataError(
-            f"data.image_shape: {list(image_shape)} differs from the shape {list(x.shape[1:])} "
-            f"stored in the tensor type of {where}; drop data.image_shape"
-        )
-    return x
+    if shape is None:
+        if not 1 <= x.ndim - 1 <= 3:
+            raise DataError(f"{where}: tensor shape {list(x.shape[1:])} has rank {x.ndim - 1}; expected 1 to 3")
+        return x
+    dims = _check_shape(shape, math.prod(x.shape[1:]), f"data.inputs.shape ({where})", "data.inputs.shape")
+    return x.reshape(len(x), *dims)
 
 
-def _labels(col: pa.Array, where: str) -> np.ndarray:
+def _targets(col: pa.Array, kind: str, where: str) -> np.ndarray:
+    """Targets of one split, shaped by kind: class (N,) int64, multilabel / regression (N, K) float32."""
     if col.null_count:
-        raise DataError(f"{where}: {col.null_count} null label(s); drop those rows")
-    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
-        raise DataError(f"{where}: labels are {col.type}, expected integer class indices")
-    y = col.to_numpy(zero_copy_only=False)
-    if pa.types.is_floating(col.type) and not np.array_equal(y, np.round(y)):
-        raise DataError(f"{where}: labels are non-integral floats; labels must be class indices")
-    return y.astype(np.int64)
+        raise DataError(f"{where}: {col.null_count} null target(s); drop those rows")
+    is_list = any(is_list(col.type) for is_list in _LIST_TYPES)
+    if kind == "class":
+        if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
+            raise DataError(
+                f"{where}: labels are {col.type}, expected integer class indices "
+                "(a list per row is data.target.kind: multilabel or regression)"
+            )
+        y = col.to_numpy(zero_copy_only=False)
+        if pa.types.is_floating(col.type) and not np.array_equal(y, np.round(y)):
+            raise DataError(
+                f"{where}: labels are non-integral floats; class labels must be indices "
+                "(for numeric targets set data.target.kind: regression)"
+            )
+        if np.issubdtype(y.dtype, np.floating) and not np.isfinite(y).all():
+            raise DataError(f"{where}: labels hold NaN/Inf; drop those rows")
+        return y.astype(np.int64)
+    if is_list:
+        values, _ = _list_values(col, where, "target")
+    elif pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
+        if kind == "multilabel":
+            raise DataError(f"{where}: multilabel targets must be a list of 0/1 flags per row, got {col.type}")
+        values = col.to_numpy(zero_copy_only=False).reshape(-1, 1)
+    else:
+        raise DataError(f"{where}: {kind} targets are {col.type}, expected numbers or lists of numbers")
+    return values.astype(np.float32)
 
 
 def _read(
-    path: str | os.PathLike,
-    knob: str,
-    image_column: str,
-    label_column: str,
-    image_shape: Sequence[int] | None,
+    path: str | os.PathLike, knob: str, input_column: str, target_column: str, shape: Sequence[int] | None, kind: str
 ) -> tuple[np.ndarray, np.ndarray]:
     files, fs = _resolve_files(path, knob)
     where = f"{knob}={redact(os.fspath(path))!r}"
     try:
         dataset = ds.dataset(files, format="parquet", filesystem=fs)
-        missing = [c for c in (image_column, label_column) if c not in dataset.schema.names]
+        missing = [c for c in (input_column, target_column) if c not in dataset.schema.names]
         if missing:
             raise DataError(
                 f"{where}: column(s) {missing} not found (columns: {dataset.schema.names}); "
-                "set data.image_column / data.label_column"
+                "set data.inputs.column / data.target.column"
             )
-        table = dataset.to_table(columns=[image_column, label_column])
-        # Footers only: cheap, and catches files written with different image shapes.
+        table = dataset.to_table(columns=[input_column, target_column])
+        # Footers only: cheap, and catches files written with different input shapes.
         metas = {(pq.read_schema(f, filesystem=fs).metadata or {}).get(SHAPE_METADATA_KEY) for f in files}
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{where}: cannot read parquet ({exc}); the files are corrupt or their schemas differ") from exc
@@ -152,67 +167,75 @@ def _read(
     try:
         meta_shape = json.loads(meta) if meta else None
     except ValueError as exc:
-        raise DataError(f"{where}: metadata {_SHAPE_KEY_TEXT} is not JSON: {meta!r}") from exc
+        raise DataError(f"{where}: metadata {_SHAPE_KEY_TEXT} is not JSON: {meta[:80]!r}") from exc
+    if meta_shape is not None and not (
+        isinstance(meta_shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in meta_shape)
+    ):
+        raise DataError(f"{where}: metadata {_SHAPE_KEY_TEXT} is {str(meta_shape)[:80]}, not a list of ints")
     if table.num_rows == 0:
         raise DataError(f"{where}: no rows")
-    images = table[image_column].combine_chunks()
-    if images.null_count:
-        raise DataError(f"{where}: {images.null_count} null image(s); drop those rows")
-    if isinstance(images.type, pa.FixedShapeTensorType):
-        x = _tensor_images(images, image_shape, where)
-    elif any(is_list(images.type) for is_list in _LIST_TYPES):
-        x = _list_images(images, image_shape, meta_shape, where)
+    inputs = table[input_column].combine_chunks()
+    if inputs.null_count:
+        raise DataError(f"{where}: {inputs.null_count} null input(s); drop those rows")
+    if isinstance(inputs.type, pa.FixedShapeTensorType):
+        x = _tensor_inputs(inputs, shape, where)
+    elif any(is_list(inputs.type) for is_list in _LIST_TYPES):
+        x = _list_inputs(inputs, shape, meta_shape, where)
     else:
         raise DataError(
-            f"{where}: column {image_column!r} is {images.type}; expected a list of "
-            "numbers or an arrow.fixed_shape_tensor"
+            f"{where}: column {input_column!r} is {inputs.type}; expected a list of numbers or an arrow.fixed_shape_tensor"
         )
-    return x, _labels(table[label_column].combine_chunks(), where)
+    return x, _targets(table[target_column].combine_chunks(), kind, where)
 
 
 def load_parquet(
     path: str | os.PathLike,
     *,
     test_path: str | os.PathLike | None,
-    image_column: str = "image",
-    label_column: str = "label",
-    image_shape: Sequence[int] | None = None,
+    input_column: str = "image",
+    target_column: str = "label",
+    input_shape: Sequence[int] | None = None,
+    target_kind: str = "class",
+    num_classes: int | None = None,
+    target_dim: int | None = None,
     train_size: int | None,
     val_fraction: float,
     seed: int,
-    num_classes: int | None = None,
 ) -> DataSplits:
-    """Load train (split stratified into train/val) and test splits from Parquet.
+    """Load train (split into train/val) and test splits from Parquet.
 
     Args:
         path: training data: a file, a folder of ``*.parquet`` files, or a glob.
         test_path: held-out test data, same forms; required.
-        image_column: column holding the images.
-        label_column: column holding integer labels.
-        image_shape: (C, H, W) of list-typed images; needed only when the schema
-            metadata has none and the flat size is not a perfect square (then (1, s, s)).
+        input_column: column holding each row's input (a list of numbers, or an Arrow tensor).
+        target_column: column holding each row's target.
+        input_shape: per-row shape of a flat list column; default from the schema metadata,
+            else a flat vector.
+        target_kind: ``class`` (integer indices), ``multilabel`` (lists of 0/1 flags) or
+            ``regression`` (a number or a list of numbers).
+        num_classes: classes; default max(label) + 1 (class) or the list length (multilabel).
+        target_dim: regression values per row; default what the column holds.
         train_size: training samples before the validation split; None keeps all.
         val_fraction: share of those moved to validation, in (0, 1).
         seed: random state of the subset and validation split.
-        num_classes: number of classes; defaults to max(label) + 1 over train and test.
 
     Raises:
-        DataError: a path matches nothing, a column is missing or malformed, the shape is
-            unknown, or the resulting splits fail :func:`validate_splits`.
+        DataError: a path matches nothing, a column is missing or malformed, the shape does
+            not fit, or the resulting splits fail :func:`validate_splits`.
     """
     if test_path is None:
         raise DataError(
             "data.test_path: not set; parquet data has no official test split, so "
             "point data.test_path at held-out rows (file, folder or glob)"
         )
-    x_all, y_all = _read(path, "data.path", image_column, label_column, image_shape)
-    x_test, y_test = _read(test_path, "data.test_path", image_column, label_column, image_shape)
-    if num_classes is None:
-        num_classes = int(max(y_all.max(), y_test.max())) + 1
+    cols = (input_column, target_column, input_shape, target_kind)
+    x_all, y_all = _read(path, "data.path", *cols)
+    x_test, y_test = _read(test_path, "data.test_path", *cols)
+    width = _target_width(y_all, y_test, target_kind, num_classes, target_dim)
     x_tr, y_tr, x_val, y_val = stratified_subset_and_val(
-        x_all, y_all, train_size=train_size, val_fraction=val_fraction, seed=seed
+        x_all, y_all, train_size=train_size, val_fraction=val_fraction, seed=seed, stratify=target_kind == "class"
     )
-    mean, std = image_stats(x_tr)
+    mean, std = input_stats(x_tr)
     splits = DataSplits(
         x_train=x_tr,
         y_train=y_tr,
@@ -220,13 +243,25 @@ def load_parquet(
         y_val=y_val,
         x_test=x_test,
         y_test=y_test,
-        num_classes=num_classes,
+        num_classes=width,
         mean=mean,
         std=std,
         source=f"parquet:{redact(os.fspath(path))}",
+        target_kind=target_kind,
     )
     validate_splits(splits)
     return splits
+
+
+def _target_width(y: np.ndarray, y_test: np.ndarray, kind: str, num_classes: int | None, dim: int | None) -> int:
+    """The output width the targets call for, checked against data.target.num_classes / dim."""
+    if kind == "class":
+        return num_classes if num_classes is not None else int(max(y.max(), y_test.max())) + 1
+    held = int(y.shape[1])
+    key, given = ("data.target.dim", dim) if kind == "regression" else ("data.target.num_classes", num_classes)
+    if given is not None and given != held:
+        raise DataError(f"{key}: {given}, but each {kind} target in data.path holds {held} value(s); set {key}: {held}")
+    return held
 
 
 def write_parquet(
@@ -234,24 +269,35 @@ def write_parquet(
     x: np.ndarray,
     y: np.ndarray,
     *,
-    image_column: str = "image",
-    label_column: str = "label",
+    input_column: str = "image",
+    target_column: str = "label",
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> None:
-    """Write (N, C, H, W) images as a fixed-size list column plus int64 labels.
+    """Write (N, *shape) inputs as a fixed-size list column, and the targets.
 
-    The (C, H, W) shape goes into the schema metadata under ``cascade_ray.image_shape``
-    (JSON), and the pixel dtype is kept, so :func:`load_parquet` round-trips bit-exactly.
+    The per-row shape goes into the schema metadata under ``cascade_ray.image_shape``
+    (JSON), and the input dtype is kept, so :func:`load_parquet` round-trips bit-exactly.
+    Targets: (N,) integers (class indices) become an int64 column, (N,) floats a float
+    column, (N, K) values a fixed-size list column (multilabel flags, regression values).
+    `image_column` / `label_column` are the image-case spellings of the column names.
     """
+    input_column, target_column = image_column or input_column, label_column or target_column
     y = np.asarray(y)
-    if x.ndim != 4 or len(x) != len(y):
+    if not 2 <= x.ndim <= 4 or len(x) != len(y) or y.ndim not in (1, 2):
         raise DataError(
-            f"write_parquet: x {x.shape} and y {y.shape}; expected x as (N, C, H, W) and one label per image"
+            f"write_parquet: x {x.shape} and y {y.shape}; expected x as (N, D), (N, T, D) or (N, C, H, W) "
+            "and one target (a value or a row of values) per input"
         )
-    if not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"write_parquet: labels have dtype {y.dtype}, expected integers")
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise DataError(f"write_parquet: targets have dtype {y.dtype}, expected numbers")
     flat = np.ascontiguousarray(x).reshape(-1)
-    images = pa.FixedSizeListArray.from_arrays(pa.array(flat), math.prod(x.shape[1:]))
-    table = pa.table({image_column: images, label_column: pa.array(y.astype(np.int64))})
+    inputs = pa.FixedSizeListArray.from_arrays(pa.array(flat), math.prod(x.shape[1:]))
+    if y.ndim == 2:
+        targets = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(y).reshape(-1)), y.shape[1])
+    else:
+        targets = pa.array(y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y)
+    table = pa.table({input_column: inputs, target_column: targets})
     shape_json = json.dumps([int(d) for d in x.shape[1:]]).encode()
     table = table.replace_schema_metadata({SHAPE_METADATA_KEY: shape_json})
     write_table(table, as_storage(path, "path"))

@@ -1,36 +1,88 @@
-"""Dispatch from the ``data`` config section to a loader."""
+"""Dispatch from the ``data`` config section to a loader, then the normalization it asks for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from cascade_ray.config.schema import DataConfig
 from cascade_ray.data.digits import load_digits
 from cascade_ray.data.fashion_mnist import load_fashion_mnist
 from cascade_ray.data.parquet import load_parquet
-from cascade_ray.data.splits import DataSplits, validate_splits
+from cascade_ray.data.splits import DataSplits, stats_shape, validate_splits
+from cascade_ray.errors import DataError
 
 
 def load_data(cfg: DataConfig, seed: int) -> DataSplits:
-    """Load and validate the splits a data section describes.
+    """Load and validate the splits a data section describes, normalized as `cfg.normalize` says.
 
     Raises:
-        DataError: the data is missing or malformed (before any Ray resource starts).
+        DataError: the data is missing or malformed, or does not fit `data.target` /
+            `data.normalize` (before any Ray resource starts).
     """
     common = {"train_size": cfg.train_size, "val_fraction": cfg.val_fraction, "seed": seed}
-    if cfg.source == "fashion_mnist":
-        splits = load_fashion_mnist(Path(cfg.root).expanduser(), **common)
-    elif cfg.source == "digits":
-        splits = load_digits(**common)
-    else:
+    if cfg.source == "parquet":
         assert cfg.path is not None  # checked by config.checks
         splits = load_parquet(
             cfg.path,
             test_path=cfg.test_path,
-            image_column=cfg.image_column,
-            label_column=cfg.label_column,
-            image_shape=cfg.image_shape,
+            input_column=cfg.inputs.column,
+            target_column=cfg.target.column,
+            input_shape=cfg.inputs.shape,
+            target_kind=cfg.target.kind,
+            num_classes=cfg.target.num_classes,
+            target_dim=cfg.target.dim,
             **common,
         )
+    elif cfg.source == "fashion_mnist":
+        splits = load_fashion_mnist(Path(cfg.root).expanduser(), **common)
+    else:
+        splits = load_digits(**common)
+    splits = normalized(splits, cfg)
     validate_splits(splits)
     return splits
+
+
+def normalized(splits: DataSplits, cfg: DataConfig) -> DataSplits:
+    """`splits` with the statistics of ``data.normalize``.
+
+    ``auto`` keeps the loader's per-channel / per-feature training statistics (a constant
+    feature gets std 1, so it normalizes to 0 instead of dividing by zero); ``none`` is
+    mean 0, std 1; explicit ``{mean, std}`` lists hold one value per channel / feature
+    (or one for all).
+
+    Raises:
+        DataError: explicit statistics of the wrong length.
+    """
+    norm = cfg.normalize
+    if norm == "auto":
+        std = np.asarray(splits.std, dtype=np.float32).copy()
+        std[std == 0] = 1.0
+        return splits.with_stats(splits.mean, std)
+    if norm == "none":
+        return splits.with_stats(np.zeros((), np.float32), np.ones((), np.float32))
+    shape = stats_shape(splits.input_shape)
+    want = shape[0] if len(splits.input_shape) == 3 else shape[-1]
+    arrays = []
+    for key, values in (("mean", norm.mean), ("std", norm.std)):
+        if len(values) not in (1, want):
+            what = "channels" if len(splits.input_shape) == 3 else "features"
+            raise DataError(
+                f"data.normalize.{key}: {len(values)} values, but the inputs {list(splits.input_shape)} have "
+                f"{want} {what}; give {want} values (one per {what[:-1]}) or one for all"
+            )
+        arr = np.asarray(values, dtype=np.float32)
+        arrays.append(arr.reshape(shape) if len(values) == want else arr.reshape(()))
+    return splits.with_stats(*arrays)
+
+
+def describe_stats(splits: DataSplits) -> str:
+    """One log line's worth of the statistics in use (first values, and constant features)."""
+    mean, std = np.asarray(splits.mean).reshape(-1), np.asarray(splits.std).reshape(-1)
+
+    def show(a: np.ndarray) -> str:
+        head = ", ".join(f"{v:.4g}" for v in a[:4])
+        return f"[{head}{', ...' if len(a) > 4 else ''}]"
+
+    return f"normalize mean {show(mean)} std {show(std)}"

@@ -15,6 +15,7 @@ import torch
 from cascade_ray.config.schema import DataConfig, PipelineConfig, StageConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models.cascade import StagePlan, build_adapter, build_head
+from cascade_ray.models.losses import loss_issue
 from cascade_ray.models.registry import build_module, module_in_width, tensor_width
 
 _KNOWN_SHAPES = {"fashion_mnist": (1, 28, 28), "digits": (1, 8, 8)}
@@ -23,27 +24,67 @@ _PREFLIGHT_BATCH = 2
 
 
 def data_input_shape(data: DataConfig) -> tuple[int, ...] | None:
-    """Per-sample input shape of a data source, without loading the data (None if unknown)."""
+    """Per-sample input shape of a data source, without loading the data (None if unknown).
+
+    Parquet: ``data.inputs.shape``, else the shape stored in the file (the metadata
+    ``write_parquet`` writes, or an Arrow tensor type), else the length of a fixed-size list
+    (a flat vector); local files only, the loader reads the rest.
+    """
     if data.source in _KNOWN_SHAPES:
         return _KNOWN_SHAPES[data.source]
-    if data.image_shape is not None:
-        return tuple(data.image_shape)
+    if data.inputs.shape is not None:
+        return tuple(data.inputs.shape)
     try:
+        import pyarrow as pa
         import pyarrow.dataset as ds
 
-        meta = ds.dataset(data.path, format="parquet").schema.metadata or {}
-        shape = meta.get(b"cascade_ray.image_shape")
-        return tuple(json.loads(shape)) if shape else None
+        schema = ds.dataset(data.path, format="parquet").schema
+        shape = (schema.metadata or {}).get(b"cascade_ray.image_shape")
+        if shape:
+            dims = json.loads(shape)
+            return tuple(int(d) for d in dims) if isinstance(dims, list) else None
+        kind = schema.field(data.inputs.column).type
+        if isinstance(kind, pa.FixedShapeTensorType):
+            return tuple(kind.shape)
+        return (kind.list_size,) if pa.types.is_fixed_size_list(kind) else None
     except Exception:  # noqa: BLE001 - unreadable here: the data loader reports it with its own message
         return None
 
 
+def data_out_width(data: DataConfig) -> int:
+    """The last head's output width the config implies, before the data is read: the classes
+    (default 10 for the bundled image sets, else 2 as a stand-in), or the regression values (default 1)."""
+    target = data.target
+    if target.kind == "regression":
+        return target.dim or 1
+    if target.num_classes is not None:
+        return target.num_classes
+    return 10 if data.source in _KNOWN_SHAPES else 2
+
+
 def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
-    """Every shape problem in the chain (empty when the chain fits)."""
+    """Every shape problem in the chain, and losses that do not fit the outputs (empty when all fit)."""
+    width = data_out_width(cfg.data)
+    issues = []
+    for i, stage in enumerate(cfg.stages):
+        problem = loss_issue(stage.loss, cfg.data.target.kind, width)
+        if problem is not None:
+            key, message, fix = problem
+            issues.append(ConfigIssue(f"stages[{i}].{key}", f"stage {stage.name!r}: {message}", fix))
     shape = data_input_shape(cfg.data)
     if shape is None:
-        return []
-    return plan_chain(cfg, shape, num_classes=2)[1]
+        return issues
+    if len(shape) != 3:
+        issues += [
+            ConfigIssue(
+                f"stages[{i}].train.augment",
+                f"flips and crops need (C, H, W) images, but the inputs are {list(shape)}",
+                "turn augment off for this data",
+            )
+            for i, s in enumerate(cfg.stages)
+            if s.train.augment.enabled
+        ]
+    return issues + plan_chain(cfg, shape, num_classes=width)[1]
 
 
 def require_plans(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> list[StagePlan]:
@@ -127,12 +168,13 @@ def _plan_stage(
         return _fail(stage, in_shape), ConfigIssue(
             f"{path}.model",
             f"stage {stage.name!r} ({stage.model.type}) fails on input shape {_fmt(in_shape)} from {producer}: {exc}",
-            f"make the module accept {_fmt(in_shape)} or add {path}.adapter",
+            f"make the module accept {_fmt(in_shape)}, add {path}.adapter, or (first stage) set data.inputs.shape",
         )
     if tuple(logits.shape) != (_PREFLIGHT_BATCH, num_classes):
         return _fail(stage, in_shape), ConfigIssue(
             f"{path}.head.type",
-            f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},) class logits",
+            f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},), "
+            "one output per class / regression value",
             "use head.type: linear",
         )
     plan = StagePlan(stage.name, in_shape, out_shape, adapter_width)

@@ -19,14 +19,17 @@ import ray
 import torch
 
 from cascade_ray.checks.reach import check_reach
+from cascade_ray.config.metrics import HEADLINE_METRIC
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import DataSplits
-from cascade_ray.data.batches import ArraySource, eval_batches
-from cascade_ray.data.source import load_data
+from cascade_ray.data.batches import ArraySource
+from cascade_ray.data.source import describe_stats, load_data
 from cascade_ray.errors import ConfigError, ConfigIssue, RunFinishedError
 from cascade_ray.logs import install_worker_filter, ray_logging_level
 from cascade_ray.models.cascade import build_cascade
+from cascade_ray.models.losses import build_loss
+from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
@@ -82,7 +85,7 @@ def run_pipeline(
     out = run_dir(cfg)
     check_reach(cfg)  # storage writable, data readable (a small probe), before any Ray resource
     data = load_data(cfg.data, cfg.seed)  # DataError before any Ray resource
-    require_plans(cfg, data.image_shape, data.num_classes)
+    require_plans(cfg, data.input_shape, data.out_width)
     # schedule lengths vs the real optimizer steps need the training-set size
     errors, warnings = step_count_issues(cfg, len(data.y_train))
     bf16_errors, bf16_warnings = precision_config_issues(cfg)  # explicit bf16 on this CPU if it emulates it
@@ -91,9 +94,7 @@ def run_pipeline(
         log(f"warning: {issue.render()}")
     if errors:
         raise ConfigError(errors, source=f"{cfg.name} ({len(data.y_train)} training samples)")
-    log(
-        f"data: {data.source}: train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}, {data.num_classes} classes"
-    )
+    log(f"data: {data.source}: {describe_data(data)}")
     # one driver per run folder, for the whole run: taken once the input is known good, before Ray
     with hold_run_lock(out, break_lock=options.break_lock, log=log):
         # a stop_after run (cascade-ray tune) reuses matching stages and writes no summary.json
@@ -127,9 +128,10 @@ def _run_locked(
             out,
             ray.put(data.to_arrays()),
             data.fingerprint(),
-            data.image_shape,
-            data.num_classes,
+            data.input_shape,
+            data.out_width,
             log,
+            data_spec=data.spec(),
             split_sizes={"train": len(data.y_train), "val": len(data.y_val)},
             options=options,
             board=progress.board,
@@ -163,8 +165,15 @@ def _run_locked(
         raise ConfigError([ConfigIssue("stages", "the pipeline has no stage", "add at least one stage")])
     final_cfg = session.cfg  # swept stages carry their best trial's values
     test = evaluate_composed(final_cfg, data, upstream.state)
+    metrics = test["metrics"]
     run_summary = RunSummary(
-        name=cfg.name, test_accuracy=test["accuracy"], test_loss=test["loss"], stages=records, storage=str(out)
+        name=cfg.name,
+        test_accuracy=metrics.get("accuracy"),
+        test_loss=metrics["loss"],
+        test_metrics=metrics,
+        target_kind=data.target_kind,
+        stages=records,
+        storage=str(out),
     )
     summary = run_summary.to_json()
     out.mkdir(parents=True, exist_ok=True)
@@ -229,42 +238,69 @@ def _job_env_vars() -> set[str]:
     return set((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
+def describe_data(data: DataSplits) -> str:
+    """``train 5400, val 600, test 10000; inputs (1, 28, 28) uint8; 10 classes; normalize mean [...] std [...]``"""
+    target = {
+        "class": f"{data.out_width} classes",
+        "multilabel": f"{data.out_width} labels (multilabel)",
+        "regression": f"regression, {data.out_width} output(s)",
+    }[data.target_kind]
+    return (
+        f"train {len(data.y_train)}, val {len(data.y_val)}, test {len(data.y_test)}; inputs {data.input_shape} "
+        f"{data.x_train.dtype}; {target}; {describe_stats(data)}"
+    )
+
+
 @torch.no_grad()
 def evaluate_composed(cfg: PipelineConfig, data: DataSplits, state: NumpyState) -> dict[str, Any]:
-    """Accuracy, loss and per-sample predictions of the composed model (last head) on the test split."""
-    plans = require_plans(cfg, data.image_shape, data.num_classes)
-    model = build_cascade(cfg, plans, data.num_classes, upto=len(cfg.stages) - 1)
+    """The composed model (last head) on the test split: ``metrics`` (the target kind's, see
+    :mod:`cascade_ray.models.metrics`) and ``predictions`` per sample (class index, 0/1 flags,
+    or regression values)."""
+    plans = require_plans(cfg, data.input_shape, data.out_width)
+    model = build_cascade(cfg, plans, data.out_width, upto=len(cfg.stages) - 1)
     load_numpy_state(model, state)
     model.eval()
     source = ArraySource(data.x_test, data.y_test, data.mean, data.std, torch.device("cpu"))
     head = model.order[-1]
-    loss, predictions = 0.0, []
-    for batch in eval_batches(len(source), 1000, rank=0, world=1):
-        x, y = source.batch(batch)
-        logits = model(x, heads=[head])[head]
-        loss += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
-        predictions.append(logits.argmax(1))
-    predicted = torch.cat(predictions).numpy()
-    labels = np.asarray(data.y_test)
-    return {"accuracy": float((predicted == labels).mean()), "loss": loss / len(source), "predictions": predicted}
+    metrics = EvalMetrics(data.target_kind, data.out_width, build_loss(cfg.stages[-1].loss, training=False))
+    predictions = []
+    for x, y in source.eval_epoch(1000, rank=0, world=1):
+        out = model(x, heads=[head])[head]
+        metrics.update(out, y)
+        predictions.append(predict(out, data.target_kind))
+    return {"metrics": metrics.compute(lambda v: v), "predictions": torch.cat(predictions).numpy()}
+
+
+def predict(out: torch.Tensor, kind: str) -> torch.Tensor:
+    """Predictions from raw outputs: the argmax class, the flags with probability >= 0.5, or the values."""
+    if kind == "class":
+        return out.argmax(1)
+    if kind == "multilabel":
+        return (torch.sigmoid(out) >= 0.5).to(torch.float32)
+    return out.float()
+
+
+_SHOWN = ("val_accuracy", "val_map", "val_micro_f1", "val_r2", "val_mae", "val_loss", "train_loss")
 
 
 def _fmt_metrics(metrics: dict[str, Any]) -> str:
-    keys = ("val_accuracy", "val_loss", "train_loss")
     return ", ".join(
-        f"{k} {metrics[k]:.4f}" for k in keys if isinstance(metrics.get(k), (int, float)) and np.isfinite(metrics[k])
+        f"{k} {metrics[k]:.4f}" for k in _SHOWN if isinstance(metrics.get(k), (int, float)) and np.isfinite(metrics[k])
     )
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    """A compact per-stage table and the composed test accuracy."""
-    rows = [f"{'stage':<12} {'status':<8} {'val_acc':>8} {'val_loss':>9} {'trainable':>10} {'frozen':>9} {'wall_s':>7}"]
+    """A compact per-stage table and the composed model's headline test metric."""
+    name = HEADLINE_METRIC[summary.get("target_kind", "class")]
+    col = f"val_{name}"[:8]
+    rows = [f"{'stage':<12} {'status':<8} {col:>8} {'val_loss':>9} {'trainable':>10} {'frozen':>9} {'wall_s':>7}"]
     for s in summary["stages"]:
         m = s["metrics"]
         rows.append(
-            f"{s['name']:<12} {s['status']:<8} {m['val_accuracy']:>8.4f} {m['val_loss']:>9.4f} {s['trainable_params']:>10,} {s['frozen_params']:>9,} {s['wall_s']:>7.1f}"
+            f"{s['name']:<12} {s['status']:<8} {m.get(f'val_{name}', float('nan')):>8.4f} {m['val_loss']:>9.4f} {s['trainable_params']:>10,} {s['frozen_params']:>9,} {s['wall_s']:>7.1f}"
         )
+    test = summary.get("test_metrics") or {"accuracy": summary.get("test_accuracy"), "loss": summary["test_loss"]}
     rows.append(
-        f"composed model test_accuracy {summary['test_accuracy']:.4f} (loss {summary['test_loss']:.4f}); artifacts in {summary['storage']}"
+        f"composed model test_{name} {test[name]:.4f} (loss {summary['test_loss']:.4f}); artifacts in {summary['storage']}"
     )
     return "\n".join(rows)

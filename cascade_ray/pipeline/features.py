@@ -289,15 +289,15 @@ def upstream_outputs(
     Returns:
         ``{split: float32 array}`` for each split of `ranges`.
     """
-    from cascade_ray.data.batches import ArraySource, eval_batches
+    from cascade_ray.data.batches import ArraySource
     from cascade_ray.models.cascade import build_cascade
     from cascade_ray.models.plan import require_plans
     from cascade_ray.models.weights import load_numpy_state
 
     device = device or torch.device("cpu")
     ranges = ranges or {s: (0, len(getattr(data, f"y_{s}"))) for s in SPLITS}
-    plans = require_plans(cfg, data.image_shape, data.num_classes)
-    model = build_cascade(cfg, plans, data.num_classes, upto=index - 1)
+    plans = require_plans(cfg, data.input_shape, data.out_width)
+    model = build_cascade(cfg, plans, data.out_width, upto=index - 1)
     load_numpy_state(model, {k: v for k, v in upstream_state.items() if k in model.state_dict()})
     model.to(device).eval()
     names = model.order[model.order.index(start) :] if start is not None else model.order
@@ -310,8 +310,7 @@ def upstream_outputs(
             source = ArraySource(getattr(data, f"x_{split}")[lo:hi], labels, data.mean, data.std, device)
         chunks = []
         with torch.no_grad():
-            for batch in eval_batches(len(source), EVAL_BATCH, rank=0, world=1):
-                x, _ = source.batch(batch)
+            for x, _ in source.eval_epoch(EVAL_BATCH, rank=0, world=1):
                 for name in names:
                     x = model.run_block(name, x)
                 chunks.append(x.float().cpu().numpy())

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import ray.train
 
+from cascade_ray.config.metrics import checkpoint_metric, metric_mode
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
@@ -351,8 +352,8 @@ def fit_stage(
             failure_config=ray.train.FailureConfig(max_failures=stage.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=1,
-                checkpoint_score_attribute=stage.train.metric,
-                checkpoint_score_order=metric_mode(stage),
+                checkpoint_score_attribute=checkpoint_metric(cfg, stage),
+                checkpoint_score_order=metric_mode(checkpoint_metric(cfg, stage)),
             ),
         ),
     )
@@ -360,11 +361,6 @@ def fit_stage(
         return trainer.fit()
     except ray.train.WorkerGroupError as exc:
         raise _cascade_cause(exc) or exc from None
-
-
-def metric_mode(stage: StageConfig) -> str:
-    """``max`` for accuracy, ``min`` for losses."""
-    return "min" if stage.train.metric.endswith("loss") else "max"
 
 
 def _cascade_cause(exc: ray.train.WorkerGroupError) -> Exception | None:

@@ -5,7 +5,7 @@
 steps, the training loss averaged since the previous row, lr, grad norm and update ratio when
 the health monitor measured that step, samples/s; ``kind`` "epoch": one row per epoch with
 the validation metrics), ``{run}/test_predictions.parquet`` (label and prediction per test
-sample) and, when the ``tensorboard`` package is installed, ``{run}/tensorboard/<stage>/``
+sample: class indices, or lists of multilabel flags / regression values) and, when the ``tensorboard`` package is installed, ``{run}/tensorboard/<stage>/``
 event files with the same scalars.
 """
 
@@ -50,10 +50,16 @@ def write_run_outputs(
         if rows:
             pq.write_table(_table(rows), out / METRICS_DIR / f"{record['name']}.parquet")
             tables[record["name"]] = rows
-    pq.write_table(
-        pa.table({"label": labels.astype(np.int64), "prediction": predictions.astype(np.int64)}), out / PREDICTIONS_FILE
-    )
+    pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
     write_tensorboard(out, tables, log)
+
+
+def _column(values: np.ndarray) -> pa.Array:
+    """Class indices as int64; multilabel flags and regression values (N, K) as fixed-size float lists."""
+    if values.ndim == 1:
+        return pa.array(values.astype(np.int64))
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat), values.shape[1])
 
 
 def metric_rows(stage: str, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,6 +85,14 @@ def read_metrics(run: StorageDir) -> dict[str, list[dict[str, Any]]]:
 
 
 def read_predictions(run: StorageDir) -> tuple[np.ndarray, np.ndarray]:
-    """(labels, predictions) of the composed model on the test split."""
+    """(labels, predictions) of the composed model on the test split: (N,) class indices, or (N, K)
+    multilabel flags / regression values."""
     table = read_table(run / PREDICTIONS_FILE)
-    return table["label"].to_numpy(), table["prediction"].to_numpy()
+    return _array(table["label"]), _array(table["prediction"])
+
+
+def _array(column: pa.ChunkedArray) -> np.ndarray:
+    col = column.combine_chunks()
+    if pa.types.is_fixed_size_list(col.type):
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), col.type.list_size)
+    return col.to_numpy(zero_copy_only=False)

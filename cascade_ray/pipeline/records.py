@@ -26,7 +26,7 @@ SUMMARY_FIX = "the run's summary is damaged or from another version: re-run the 
 
 
 def _has_val_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    for key in ("val_accuracy", "val_loss"):
+    for key in ("val_loss",):
         value = metrics.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key!r} missing or not a number (found {value!r})")
@@ -51,7 +51,8 @@ class StageResult(_Record):
     """What a trained stage produced; carried by both its artifact manifest and its stage record."""
 
     metrics: Annotated[dict[str, Any], AfterValidator(_has_val_metrics)] = Field(
-        description="Metrics of the best checkpoint's epoch (``val_accuracy``, ``val_loss``, ``train_loss``, lr, ...)."
+        description="Metrics of the best checkpoint's epoch (``val_loss``, ``train_loss``, lr, and the target "
+        "kind's ``val_`` metrics: accuracy, micro_f1 / map, mae / rmse / r2)."
     )
     history: list[dict[str, Any]] = Field(
         description="One entry per epoch (its metrics), each with that epoch's per-step rows under ``steps``."
@@ -90,6 +91,12 @@ class ManifestFields(StageResult):
     parent_fingerprint: str = Field(description="Fingerprint of the upstream stage; empty for the first stage.")
     data_fingerprint: str = Field(description="Fingerprint of the data splits the stage trained on.")
     frozen_digest: dict[str, str] = Field(description="State-dict key -> digest of every tensor frozen in the stage.")
+    data_spec: dict[str, Any] | None = Field(
+        default=None,
+        description="What the model takes and predicts, so the artifact is usable without its training data: "
+        "input_shape, input_dtype, target_kind, num_classes (output width), and the normalization mean / std "
+        "(stats_shape: how they broadcast to one input row). Absent in artifacts written before it existed.",
+    )
 
 
 class Manifest(ManifestFields):
@@ -152,8 +159,18 @@ class RunSummary(_Record):
     """``{storage_path}/{name}/summary.json``: every stage and the composed model on the test split."""
 
     name: str = Field(description="The pipeline's name (``name`` in the config).")
-    test_accuracy: float = Field(description="Accuracy of the composed model (last head) on the test split.")
-    test_loss: float = Field(description="Mean cross-entropy of the composed model on the test split.")
+    test_accuracy: float | None = Field(
+        default=None, description="Class targets: accuracy of the composed model (last head) on the test split."
+    )
+    test_loss: float = Field(
+        description="Mean loss (the last stage's loss.type) of the composed model on the test split."
+    )
+    test_metrics: dict[str, float] | None = Field(
+        default=None,
+        description="Every test metric of the target kind (loss, accuracy / top5_accuracy, micro_f1 / map, "
+        "mae / rmse / r2); absent in summaries written before it existed.",
+    )
+    target_kind: str = Field(default="class", description="``data.target.kind`` of the run.")
     stages: list[StageRecord] = Field(min_length=1, description="One record per stage, in pipeline order.")
     storage: str = Field(description="The run's folder, ``{storage_path}/{name}``.")
 

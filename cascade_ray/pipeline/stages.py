@@ -22,6 +22,7 @@ import ray.train
 import torch
 
 from cascade_ray import __version__
+from cascade_ray.config.metrics import checkpoint_metric, metric_mode
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.cascade import build_cascade
@@ -31,7 +32,7 @@ from cascade_ray.models.weights import NumpyState, state_digests
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
-from cascade_ray.pipeline.fit import fit_stage, metric_mode, resumable_run, unique_run_name
+from cascade_ray.pipeline.fit import fit_stage, resumable_run, unique_run_name
 from cascade_ray.pipeline.records import ManifestFields, StageRecord
 from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, read_checkpoint
 
@@ -62,12 +63,12 @@ class StageRunner(Protocol):
 
 
 def stage_accounting(
-    cfg: PipelineConfig, index: int, input_shape: tuple[int, ...], num_classes: int
+    cfg: PipelineConfig, index: int, input_shape: tuple[int, ...], out_width: int
 ) -> tuple[int, list[str], int]:
     """(trainable params, frozen state-dict keys, frozen params) of stage `index`, built on meta."""
-    plans = require_plans(cfg, input_shape, num_classes)
+    plans = require_plans(cfg, input_shape, out_width)
     with torch.device("meta"):
-        model = build_cascade(cfg, plans, num_classes, upto=index)
+        model = build_cascade(cfg, plans, out_width, upto=index)
     plan = plan_trainable(model, cfg, index)
     apply_freeze(model, plan)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -97,7 +98,8 @@ class StageSession:
     data_ref: ray.ObjectRef
     data_fp: str
     input_shape: tuple[int, ...]
-    num_classes: int
+    out_width: int  # outputs of the last head: classes, or regression values
+    data_spec: dict[str, Any] = field(default_factory=dict)  # DataSplits.spec(): into every manifest
     log: Callable[[str], None] = print
     split_sizes: dict[str, int] = field(default_factory=dict)  # samples per split, for the feature cache
     options: RunOptions = field(default_factory=RunOptions)
@@ -153,7 +155,7 @@ class StageSession:
             return None
         plan = next(
             p
-            for p in require_plans(self.cfg, self.input_shape, self.num_classes)
+            for p in require_plans(self.cfg, self.input_shape, self.out_width)
             if p.name == self.cfg.stages[index].name
         )
         cache = prepare_feature_cache(
@@ -191,13 +193,14 @@ class StageSession:
         read back from storage, e.g. a Tune trial, passes it in).
         """
         stage = self.cfg.stages[index]
-        best = result.get_best_checkpoint(stage.train.metric, metric_mode(stage))
+        metric = checkpoint_metric(self.cfg, stage)
+        best = result.get_best_checkpoint(metric, metric_mode(metric))
         with best.as_directory() as ckpt:
             state = read_checkpoint(ckpt)
             metrics = json.loads((Path(ckpt) / CHECKPOINT_STATE).read_text())
             nodes_file = Path(ckpt) / CHECKPOINT_NODES  # where the workers ran (a Tune trial's too)
             nodes = json.loads(nodes_file.read_text()) if nodes_file.is_file() else None
-        trainable, frozen_keys, frozen_params = stage_accounting(self.cfg, index, self.input_shape, self.num_classes)
+        trainable, frozen_keys, frozen_params = stage_accounting(self.cfg, index, self.input_shape, self.out_width)
         if upstream is not None:
             # independent of the worker's own per-epoch check: compare bits with the upstream
             changed = frozen_changes({k: upstream.state[k] for k in frozen_keys}, state)
@@ -220,6 +223,7 @@ class StageSession:
             data_fingerprint=self.data_fp,
             frozen_digest=state_digests(state, frozen_keys),
             nodes=nodes,
+            data_spec=self.data_spec or None,
             # what the worker's device made of precision auto / memory format / compile
             **{k: outcome.get(k) for k in DEVICE_KEYS},
         )

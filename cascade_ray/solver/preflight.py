@@ -10,6 +10,7 @@ right after loading the data (before Ray starts) and ``run_stage`` calls
 
 from __future__ import annotations
 
+from cascade_ray.config.metrics import metric_mode
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data.batches import num_optimizer_steps, num_train_batches
 from cascade_ray.errors import ConfigIssue
@@ -26,7 +27,7 @@ def stage_solver_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     issues = solver_issues(stage.solver, f"{path}.solver") + precision_issues(stage, f"{path}.solver")
     stop = stage.train.early_stopping
     if stop is not None and stop.mode is not None:
-        natural = "max" if stop.metric == "val_accuracy" else "min"
+        natural = metric_mode(stop.metric)
         if stop.mode != natural:
             issues.append(
                 ConfigIssue(

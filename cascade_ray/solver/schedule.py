@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cascade_ray.config.metrics import metric_mode
 from cascade_ray.config.schema import SchedulerConfig, StageConfig
 from cascade_ray.data.batches import num_optimizer_steps
 from cascade_ray.errors import ConfigIssue
@@ -122,7 +123,9 @@ class LrSchedule:
         value, thr = metrics[self.cfg.monitor], self.cfg.threshold
         # torch's relative threshold: accuracy must beat best * (1 + thr), a loss best * (1 - thr)
         if self._best is None or (
-            value > self._best * (1.0 + thr) if self.cfg.monitor == "val_accuracy" else value < self._best * (1.0 - thr)
+            value > self._best * (1.0 + thr)
+            if metric_mode(self.cfg.monitor) == "max"
+            else value < self._best * (1.0 - thr)
         ):
             self._best, self._bad_epochs = value, 0
             return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from cascade_ray.config.metrics import metric_mode
 from cascade_ray.config.schema import EarlyStoppingConfig
 
 
@@ -15,7 +16,7 @@ class EarlyStopping:
         self.best: float | None = None
         self.bad_epochs = 0
         if cfg is not None:
-            self.mode = cfg.mode or ("max" if cfg.metric == "val_accuracy" else "min")
+            self.mode = cfg.mode or metric_mode(cfg.metric)
 
     def update(self, metrics: dict[str, float]) -> bool:
         """Record one epoch's metrics; True when the stage should stop now."""

@@ -8,7 +8,6 @@ checkpoints out and does cross-rank sums, so the same loop runs under Ray Train
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -17,16 +16,16 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data import DataSplits
-from cascade_ray.data.batches import ArraySource, accumulation_windows, augment, eval_batches, train_batches
+from cascade_ray.data.batches import ArraySource, BatchSource, accumulation_windows, augment
 from cascade_ray.errors import ConfigError
 from cascade_ray.hardware import Hardware
 from cascade_ray.models.cascade import CascadeModel
 from cascade_ray.models.freeze import frozen_digest
+from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.solver import EarlyStopping, clip_gradients, stage_step_issues
 from cascade_ray.solver.precision import emulated_bf16_detail, probe_slowdown
@@ -154,7 +153,7 @@ def run_stage(
 
     train_src, val_src = _sources(model, stage.name, data, features, device)
     if train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
-        evaluate(model, val_src, setup.heads[-1], stage, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
+        evaluate(setup, val_src, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
     stopper = EarlyStopping(train.early_stopping)
     start_epoch, step, history = 0, 0, []
     if resume is not None:  # a restarted worker group: continue after its last checkpoint
@@ -225,7 +224,7 @@ def _train_epoch(
     state: LoopState,
     hooks: LoopHooks,
     reporter: Reporter,
-    source: ArraySource,
+    source: BatchSource,
     *,
     seed: int,
     epoch: int,
@@ -241,11 +240,9 @@ def _train_epoch(
     started, seen, epoch_steps = time.perf_counter(), 0, 0
     loss_sum = torch.zeros(len(setup.heads) + 1, device=setup.device)  # summed on the device: no sync per step
     step_rows, logged = [], (0, 0.0)  # (samples, loss sum) at the last logged row
-    batches = list(
-        train_batches(len(source), train.batch_size, rank=reporter.rank, world=reporter.world, seed=seed, epoch=epoch)
-    )
-    for batch, window, last in accumulation_windows(batches, solver.accumulation_steps):
-        x, y = source.batch(batch)
+    batches = source.train_epoch(train.batch_size, rank=reporter.rank, world=reporter.world, seed=seed, epoch=epoch)
+    n_batches = source.num_train_batches(train.batch_size, reporter.world)
+    for (x, y), window, last in accumulation_windows(batches, n_batches, solver.accumulation_steps):
         if train.augment.enabled:
             x = augment(x, train.augment)
         # under DDP, all-reduce gradients only once per window, on its last micro-batch
@@ -316,7 +313,7 @@ def _end_epoch(
     state: LoopState,
     reporter: Reporter,
     run: _EpochRun,
-    val_source: ArraySource,
+    val_source: BatchSource,
     digest: dict[str, str],
     *,
     epoch: int,
@@ -334,7 +331,7 @@ def _end_epoch(
     }
     if setup.stage.type == "joint":
         metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(setup.heads)}
-    metrics |= evaluate(setup.model, val_source, setup.heads[-1], setup.stage, reporter, prefix="val_")
+    metrics |= evaluate(setup, val_source, reporter, prefix="val_")
     metrics |= state.monitor.epoch_metrics()
     return metrics
 
@@ -399,29 +396,18 @@ def _check_step_counts(stage: StageConfig, index: int, n_train: int, reporter: R
 
 @torch.no_grad()
 def evaluate(
-    model: CascadeModel,
-    source: ArraySource,
-    head: str,
-    stage: StageConfig,
-    reporter: Reporter,
-    prefix: str,
-    max_batches: int | None = None,
+    setup: StageSetup, source: BatchSource, reporter: Reporter, prefix: str, max_batches: int | None = None
 ) -> dict[str, float]:
-    """Loss and accuracy of `head` over a split (its first `max_batches` batches), summed across ranks."""
+    """The target kind's metrics of the stage's last head over a split (its first `max_batches`
+    batches), summed across ranks: loss and accuracy (class), micro-F1 and mAP (multilabel),
+    MAE, RMSE and R² (regression); see :mod:`cascade_ray.models.metrics`."""
+    model = setup.model
     was_training = model.training
     model.eval()
-    loss, correct, count = 0.0, 0.0, 0.0
-    for batch in itertools.islice(
-        eval_batches(len(source), stage.train.eval_batch_size, rank=reporter.rank, world=reporter.world), max_batches
-    ):
-        x, y = source.batch(batch)
-        logits = model(x, heads=[head])[head]
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(1) == y).sum().item()
-        count += len(y)
+    head = setup.heads[-1]
+    metrics = EvalMetrics(setup.target_kind, setup.out_width, setup.eval_loss)
+    batches = source.eval_epoch(setup.stage.train.eval_batch_size, rank=reporter.rank, world=reporter.world)
+    for x, y in itertools.islice(batches, max_batches):
+        metrics.update(model(x, heads=[head])[head], y)
     model.train(was_training)
-    loss, correct, count = reporter.all_sum([loss, correct, count])
-    return {
-        f"{prefix}loss": loss / count if count else math.nan,
-        f"{prefix}accuracy": correct / count if count else math.nan,
-    }
+    return metrics.compute(reporter.all_sum, prefix)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
@@ -24,6 +23,7 @@ from cascade_ray.data import DataSplits
 from cascade_ray.hardware import Hardware, detect_hardware
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
 from cascade_ray.models.freeze import TrainablePlan, apply_freeze, plan_trainable
+from cascade_ray.models.losses import build_loss
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import load_numpy_state, load_state_file
 from cascade_ray.solver import (
@@ -63,6 +63,8 @@ class StageSetup:
         hardware: what `device` runs natively (it decided precision auto and memory_format auto).
         memory_format: ``channels_last`` or ``contiguous``, and memory_format_reason why.
         compiled: the torch.compile state when ``stages[i].compile`` is true, else None.
+        criterion: the training loss module (``stages[i].loss.type``), eval_loss the same
+            without label smoothing; target_kind and out_width describe what the heads predict.
     """
 
     stage: StageConfig
@@ -81,6 +83,10 @@ class StageSetup:
     memory_format: str
     memory_format_reason: str
     compiled: CompileState | None
+    criterion: nn.Module
+    eval_loss: nn.Module
+    target_kind: str
+    out_width: int
 
     def precision_line(self) -> str:
         """``features: precision auto -> fp32 (CPU AVX2: bf16 would be emulated); memory format ...``"""
@@ -107,7 +113,7 @@ class StageSetup:
 
         `net` is what forward runs on: the model, or its DDP wrapper.
         """
-        return stage_loss(net, x, y, self.stage, self.scales, self.log_vars)
+        return stage_loss(net, x, y, self.criterion, self.scales, self.log_vars)
 
 
 def setup_stage(
@@ -187,6 +193,10 @@ def setup_stage(
         memory_format=memory_format,
         memory_format_reason=format_why,
         compiled=compiled,
+        criterion=build_loss(stage.loss),
+        eval_loss=build_loss(stage.loss, training=False),
+        target_kind=data.target_kind,
+        out_width=data.out_width,
     )
 
 
@@ -205,9 +215,9 @@ def build_stage_model(
     cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None
 ) -> tuple[CascadeModel, TrainablePlan]:
     """The composed model for stage `index` with upstream weights loaded and frozen (on the CPU)."""
-    plans = require_plans(cfg, data.image_shape, data.num_classes)
+    plans = require_plans(cfg, data.input_shape, data.out_width)
     torch.manual_seed(stage_seed(cfg, index))
-    model = build_cascade(cfg, plans, data.num_classes, upto=index)
+    model = build_cascade(cfg, plans, data.out_width, upto=index)
     stage = cfg.stages[index]
     if stage.pretrained is not None:
         model.blocks[stage.name].load_state_dict(load_state_file(stage.pretrained))
@@ -247,17 +257,18 @@ def stage_loss(
     net: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    stage: StageConfig,
+    criterion: nn.Module,
     scales: Mapping[str, float],
     log_vars: torch.Tensor | None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The stage's training loss and its per-head terms (`scales`: head -> multiplier, in order).
 
-    One head: ``scale * CE``. A joint stage sums ``scale_i * CE_i`` over its heads, or with
-    learned uncertainty weighting ``exp(-s_i) * scale_i * CE_i + s_i``.
+    One head: ``scale * L`` with `criterion` L (``stages[i].loss.type``). A joint stage sums
+    ``scale_i * L_i`` over its heads, or with learned uncertainty weighting
+    ``exp(-s_i) * scale_i * L_i + s_i``.
     """
     outs = net(x, heads=list(scales))
-    terms = [F.cross_entropy(outs[n], y, label_smoothing=stage.loss.label_smoothing) for n in scales]
+    terms = [criterion(outs[n].float(), y) for n in scales]
     if log_vars is None:
         return sum(s * t for s, t in zip(scales.values(), terms)), terms  # type: ignore[return-value]
     return sum(

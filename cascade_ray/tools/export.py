@@ -19,9 +19,13 @@ import torch
 from torch import nn
 
 from cascade_ray.checks import load_config
+from cascade_ray.config.metrics import HEADLINE_METRIC
+from cascade_ray.config.schema import LossConfig
 from cascade_ray.data.source import load_data
 from cascade_ray.errors import CascadeError
 from cascade_ray.models.cascade import build_cascade
+from cascade_ray.models.losses import DEFAULT_LOSS, build_loss
+from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.pipeline.artifacts import read_artifact
@@ -40,8 +44,9 @@ class ComposedClassifier(nn.Module):
         super().__init__()
         self.cascade = cascade
         self.head = cascade.order[-1]
-        self.register_buffer("mean", torch.tensor(float(mean)))
-        self.register_buffer("std", torch.tensor(float(std)))
+        # per channel (C, 1, 1), per feature (D,) or one value: broadcast to an input row
+        self.register_buffer("mean", torch.as_tensor(np.asarray(mean, dtype=np.float32)))
+        self.register_buffer("std", torch.as_tensor(np.asarray(std, dtype=np.float32)))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.cascade((images - self.mean) / self.std, heads=[self.head])[self.head]
@@ -62,8 +67,8 @@ def load_composed(run: str | StorageDir) -> tuple[ComposedClassifier, Any]:
     summary = read_summary(run / "summary.json")
     _, state = read_artifact(run / "stages" / summary.stages[-1].name)
     data = load_data(cfg.data, cfg.seed)
-    plans = require_plans(cfg, data.image_shape, data.num_classes)
-    cascade = build_cascade(cfg, plans, data.num_classes, upto=len(cfg.stages) - 1)
+    plans = require_plans(cfg, data.input_shape, data.out_width)
+    cascade = build_cascade(cfg, plans, data.out_width, upto=len(cfg.stages) - 1)
     load_numpy_state(cascade, state)
     return ComposedClassifier(cascade, data.mean, data.std).eval(), data
 
@@ -92,9 +97,13 @@ def _quantizable_linears(model: nn.Module) -> tuple[set[str], int]:
 
 
 @torch.no_grad()
-def _accuracy(fn: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    correct = sum(int((torch.as_tensor(fn(x)).argmax(1) == y).sum()) for x, y in batches)
-    return correct / sum(len(y) for _, y in batches)
+def _score(fn: Any, data: Any) -> float:
+    """The headline test metric of `fn` on the test split: accuracy (class), mAP (multilabel), R² (regression)."""
+    kind = data.target_kind
+    metrics = EvalMetrics(kind, data.out_width, build_loss(LossConfig(type=DEFAULT_LOSS[kind]), training=False))
+    for x, y in _batches(data):
+        metrics.update(torch.as_tensor(fn(x)), y)
+    return metrics.compute(lambda v: v)[HEADLINE_METRIC[kind]]
 
 
 @torch.no_grad()
@@ -112,7 +121,8 @@ def export_run(run: str | StorageDir, fmt: str, quantize: str | None = None) -> 
 def _export(model: ComposedClassifier, data: Any, out: Path, fmt: str, quantize: str | None) -> dict[str, Any]:
     parity = _batches(data, PARITY_SAMPLES)
     example = parity[0][0][:2]
-    report: dict[str, Any] = {"format": fmt, "eager_test_accuracy": _accuracy(model, _batches(data))}
+    metric = HEADLINE_METRIC[data.target_kind]
+    report: dict[str, Any] = {"format": fmt, f"eager_test_{metric}": _score(model, data)}
     if fmt == "torchscript":
         path = out / "model.ts"
         # grad mode: keeps nn.TransformerEncoderLayer off its inference fast path, which
@@ -136,8 +146,8 @@ def _export(model: ComposedClassifier, data: Any, out: Path, fmt: str, quantize:
             names, skipped = _quantizable_linears(model)
             quantized = torch.ao.quantization.quantize_dynamic(model, names, dtype=torch.qint8)
         report["int8_linear_layers"] = {"quantized": len(names), "kept_fp32_in_transformer_layers": skipped}
-        report["int8_test_accuracy"] = _accuracy(quantized, _batches(data))
-        report["int8_accuracy_change"] = report["int8_test_accuracy"] - report["eager_test_accuracy"]
+        report[f"int8_test_{metric}"] = _score(quantized, data)
+        report[f"int8_{metric}_change"] = report[f"int8_test_{metric}"] - report[f"eager_test_{metric}"]
     (out / f"{fmt}.json").write_text(json.dumps(report, indent=2))
     return report
 

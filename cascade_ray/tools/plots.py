@@ -1,4 +1,5 @@
-"""PNG figures of a run: per-stage training curves and the composed model's confusion matrix."""
+"""PNG figures of a run: per-stage training curves, and the composed model's confusion matrix
+(class targets) or predicted-vs-true scatter (regression)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 _PANELS = (
     ("loss", "loss"),
     ("val_accuracy", "validation accuracy"),
+    ("val_map", "validation mAP"),
+    ("val_r2", "validation R²"),
     ("lr", "learning rate"),
     ("grad_norm", "gradient norm"),
 )
@@ -33,7 +36,7 @@ def _points(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], li
 
 
 def plot_stage(rows: list[dict[str, Any]], stage: str, path: Path) -> Path:
-    """Loss, validation accuracy, lr and grad norm of one stage.
+    """Loss, the validation metric of the target kind (accuracy, mAP or R²), lr and grad norm of one stage.
 
     With per-step rows (``kind`` "step") the x axis is the optimizer step: the training loss
     and lr / grad norm come from the step rows, epoch means and validation metrics are
@@ -104,6 +107,27 @@ def plot_confusion(labels: np.ndarray, predictions: np.ndarray, num_classes: int
     ax.set_yticks(range(num_classes))
     ax.set_title(title)
     fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_regression(labels: np.ndarray, predictions: np.ndarray, path: Path, title: str) -> Path:
+    """Predicted against true values of every regression output, with the identity line."""
+    plt = _pyplot()
+    y, p = labels.reshape(len(labels), -1), predictions.reshape(len(predictions), -1)
+    fig, ax = plt.subplots(figsize=(5.2, 5.0))
+    for k in range(y.shape[1]):
+        ax.scatter(y[:, k], p[:, k], s=8, alpha=0.6, label=f"output {k}" if y.shape[1] > 1 else None)
+    lo, hi = float(min(y.min(), p.min())), float(max(y.max(), p.max()))
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, linestyle="--")
+    ax.set_xlabel("true")
+    ax.set_ylabel("predicted")
+    ax.set_title(title)
+    if y.shape[1] > 1:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

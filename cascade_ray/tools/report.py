@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cascade_ray.config.metrics import HEADLINE_METRIC
 from cascade_ray.errors import CascadeError
 from cascade_ray.pipeline.outputs import read_metrics, read_predictions
 from cascade_ray.pipeline.records import RunSummary, read_summary
 from cascade_ray.storage import StorageDir, as_storage, staged_dir
-from cascade_ray.tools.plots import plot_confusion, plot_stage
+from cascade_ray.tools.plots import plot_confusion, plot_regression, plot_stage
 
 REPORT_DIR = "report"
 
@@ -29,20 +30,23 @@ def build_report(run: str | StorageDir) -> StorageDir:
 
 
 def _write_report(run: StorageDir, summary: RunSummary, metrics: dict[str, list[dict]], out: Path) -> None:
+    name = HEADLINE_METRIC[summary.target_kind]
+    test = summary.test_metrics or {"accuracy": summary.test_accuracy, "loss": summary.test_loss}
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != name)
     lines = [
         f"# Run `{summary.name}`",
         "",
-        f"Composed model on the test split: accuracy **{summary.test_accuracy:.4f}**, loss {summary.test_loss:.4f}.",
+        f"Composed model on the test split ({summary.target_kind} targets): {name} **{test[name]:.4f}**, {shown}.",
         "",
     ]
     lines += [
-        "| stage | status | val accuracy | val loss | trainable | frozen | workers | wall s |",
+        f"| stage | status | val {name} | val loss | trainable | frozen | workers | wall s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for s in summary.stages:
         m = s.metrics
         lines.append(
-            f"| {s.name} | {s.status} | {m['val_accuracy']:.4f} | {m['val_loss']:.4f} | {s.trainable_params:,} | {s.frozen_params:,} | {s.num_workers} | {s.wall_s:.1f} |"
+            f"| {s.name} | {s.status} | {m.get(f'val_{name}', float('nan')):.4f} | {m['val_loss']:.4f} | {s.trainable_params:,} | {s.frozen_params:,} | {s.num_workers} | {s.wall_s:.1f} |"
         )
     lines.append("")
     for s in summary.stages:
@@ -51,13 +55,12 @@ def _write_report(run: StorageDir, summary: RunSummary, metrics: dict[str, list[
             png = plot_stage(rows, s.name, out / f"{s.name}.png")
             lines += [f"## {s.name}", "", f"![{s.name} curves]({png.name})", ""]
     labels, predictions = read_predictions(run)
-    classes = int(max(labels.max(), predictions.max())) + 1
-    png = plot_confusion(
-        labels,
-        predictions,
-        classes,
-        out / "confusion.png",
-        f"{summary.name}: composed model, test accuracy {summary.test_accuracy:.4f}",
-    )
-    lines += ["## Confusion matrix (test split)", "", f"![confusion matrix]({png.name})", ""]
+    title = f"{summary.name}: composed model, test {name} {test[name]:.4f}"
+    if summary.target_kind == "class":
+        classes = int(max(labels.max(), predictions.max())) + 1
+        png = plot_confusion(labels, predictions, classes, out / "confusion.png", title)
+        lines += ["## Confusion matrix (test split)", "", f"![confusion matrix]({png.name})", ""]
+    elif summary.target_kind == "regression":
+        png = plot_regression(labels, predictions, out / "regression.png", title)
+        lines += ["## Predicted vs true (test split)", "", f"![predicted vs true]({png.name})", ""]
     (out / "report.md").write_text("\n".join(lines))

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cascade_ray.checks import validate_config
+from cascade_ray.config.metrics import epoch_metric_names, metric_mode
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.config.yaml_io import read_yaml, split_key
 from cascade_ray.errors import ConfigError, ConfigIssue
@@ -96,7 +97,13 @@ def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:
 
 def metrics_reported(cfg: PipelineConfig, stage: str) -> list[str]:
     """Metric names a stage reports every epoch."""
-    names = ["val_accuracy", "val_loss", "train_loss", "samples_per_s", "lr", "epoch", "step"]
+    names = [
+        *epoch_metric_names(cfg.data.target.kind, cfg.data.target.num_classes),
+        "samples_per_s",
+        "lr",
+        "epoch",
+        "step",
+    ]
     index = cfg.stage_index(stage)
     if cfg.stages[index].type == "joint":
         names += [f"loss/{s.name}" for s in cfg.stages[:index] if s.type == "module"]
@@ -121,6 +128,15 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
             ConfigIssue(
                 "metric",
                 f"stage {space.stage!r} does not report {space.metric!r}{did_you_mean(space.metric, reported)} (reports: {', '.join(reported)})",
+            )
+        )
+    elif space.metric in epoch_metric_names(cfg.data.target.kind) and space.mode != metric_mode(space.metric):
+        natural = metric_mode(space.metric)
+        issues.append(
+            ConfigIssue(
+                "mode",
+                f"{space.metric} improves by going {'up' if natural == 'max' else 'down'}, but mode is {space.mode!r}",
+                f"set mode: {natural}",
             )
         )
     if space.search == "grid" and any(d.kind() != "grid" for d in space.space.values()):

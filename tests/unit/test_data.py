@@ -87,15 +87,17 @@ def test_fashion_mnist_full_shapes_dtypes_and_stats(fmnist_full):
     s = fmnist_full
     assert s.x_train.shape == (54000, 1, 28, 28) and s.x_val.shape == (6000, 1, 28, 28)
     assert s.x_test.shape == (10000, 1, 28, 28)  # the official t10k set
-    assert s.image_shape == (1, 28, 28) and s.num_classes == 10
+    assert s.input_shape == (1, 28, 28) and s.num_classes == 10
     for x, y in [(s.x_train, s.y_train), (s.x_val, s.y_val), (s.x_test, s.y_test)]:
         assert x.dtype == np.uint8 and y.dtype == np.int64
         assert set(np.unique(y).tolist()) == set(range(10))
     # The official test set is balanced: 1000 per class.
     assert np.bincount(s.y_test).tolist() == [1000] * 10
     ref = s.x_train.astype(np.float64)
-    assert s.mean == pytest.approx(ref.mean(), rel=1e-12)
-    assert s.std == pytest.approx(ref.std(), rel=1e-12)
+    # one channel: per-channel statistics are one value each, shaped (C, 1, 1); float32
+    assert s.mean.shape == s.std.shape == (1, 1, 1) and s.mean.dtype == np.float32
+    assert float(s.mean.item()) == pytest.approx(ref.mean(), rel=1e-7)
+    assert float(s.std.item()) == pytest.approx(ref.std(), rel=1e-7)
 
 
 @needs_fmnist
@@ -171,7 +173,7 @@ def test_fashion_mnist_not_gzip_names_the_file(tmp_path):
 # ---------------------------------------------------------------------------- digits
 def test_digits_shapes_and_split_sizes():
     s = load_digits(train_size=None, val_fraction=0.1, seed=0)
-    assert s.image_shape == (1, 8, 8) and s.x_train.dtype == np.uint8 and s.num_classes == 10
+    assert s.input_shape == (1, 8, 8) and s.x_train.dtype == np.uint8 and s.num_classes == 10
     assert len(s.y_train) + len(s.y_val) + len(s.y_test) == 1797
     assert len(s.y_test) == 360  # ceil(0.2 * 1797)
     assert int(s.x_train.max()) == 16 and s.y_train.dtype == np.int64
@@ -205,7 +207,7 @@ def test_parquet_round_trip_is_bit_exact(pq_data, form):
         "glob": str(root / "parts" / "part-*.parquet"),
     }[form]
     s = load_parquet(path, test_path=root / "test.parquet", train_size=None, val_fraction=0.2, seed=7)
-    assert s.image_shape == (3, 5, 7) and s.num_classes == 5 and s.x_train.dtype == np.uint8
+    assert s.input_shape == (3, 5, 7) and s.num_classes == 5 and s.x_train.dtype == np.uint8
     assert np.array_equal(s.x_test, xt) and np.array_equal(s.y_test, yt)
     # Same rows in the same order as the arrays written, so the seeded split matches too.
     ref = stratified_subset_and_val(x, y, train_size=None, val_fraction=0.2, seed=7)
@@ -213,30 +215,31 @@ def test_parquet_round_trip_is_bit_exact(pq_data, form):
         assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
-def test_parquet_flat_list_needs_image_shape_unless_square(tmp_path):
+def test_parquet_flat_list_is_a_vector_unless_a_shape_is_given(tmp_path):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(60, 3, 4, 4)).astype(np.float32)
     y = np.arange(60) % 3
     flat = pa.array(list(x.reshape(60, -1)), type=pa.list_(pa.float32()))  # variable-size list
     pq.write_table(pa.table({"image": flat, "label": y}), tmp_path / "a.parquet")
     kw = {"test_path": tmp_path / "a.parquet", "train_size": None, "val_fraction": 0.2, "seed": 0}
-    with pytest.raises(DataError, match="data.image_shape"):
-        load_parquet(tmp_path / "a.parquet", **kw)
-    s = load_parquet(tmp_path / "a.parquet", image_shape=(3, 4, 4), **kw)
+    s = load_parquet(tmp_path / "a.parquet", **kw)  # no shape stored: a 48-feature vector per row
+    assert s.input_shape == (48,) and np.array_equal(s.x_test, x.reshape(60, 48))
+    assert s.mean.shape == (48,)  # per-feature statistics
+    s = load_parquet(tmp_path / "a.parquet", input_shape=(3, 4, 4), **kw)
     assert np.array_equal(s.x_test, x) and s.x_test.dtype == np.float32
-    # 16 values per image: a perfect square is read as (1, 4, 4) without help.
-    sq = pa.FixedSizeListArray.from_arrays(pa.array(x[:, 0].reshape(-1)), 16)
-    pq.write_table(pa.table({"pix": sq, "cls": y}), tmp_path / "sq.parquet")
-    s = load_parquet(
-        tmp_path / "sq.parquet",
-        test_path=tmp_path / "sq.parquet",
-        image_column="pix",
-        label_column="cls",
-        train_size=None,
-        val_fraction=0.2,
-        seed=0,
-    )
-    assert s.image_shape == (1, 4, 4) and np.array_equal(s.x_test[:, 0], x[:, 0])
+    assert s.mean.shape == (3, 1, 1)  # per-channel statistics
+    per_channel = s.x_train.transpose(1, 0, 2, 3).reshape(3, -1).astype(np.float64)
+    assert np.allclose(s.mean.reshape(3), per_channel.mean(1), rtol=1e-5)
+    assert np.allclose(s.std.reshape(3), per_channel.std(1), rtol=1e-5)
+    with pytest.raises(
+        DataError, match=r"input shape \[5, 5\] holds 25 values but each row has 48; fix data.inputs.shape"
+    ):
+        load_parquet(tmp_path / "a.parquet", input_shape=(5, 5), **kw)
+    # a sequence: (T, D) rows, statistics per feature D
+    s = load_parquet(tmp_path / "a.parquet", input_shape=(12, 4), **kw)
+    assert s.input_shape == (12, 4) and s.mean.shape == (4,)
+    want = s.x_train.reshape(-1, 4).astype(np.float64)
+    assert np.allclose(s.mean, want.mean(0), rtol=1e-5) and np.allclose(s.std, want.std(0), rtol=1e-5)
 
 
 def test_parquet_fixed_shape_tensor_column(tmp_path):
@@ -247,14 +250,14 @@ def test_parquet_fixed_shape_tensor_column(tmp_path):
     s = load_parquet(
         tmp_path / "t.parquet", test_path=tmp_path / "t.parquet", train_size=None, val_fraction=0.2, seed=0
     )
-    assert s.image_shape == (2, 3, 3) and np.array_equal(s.x_test, x)
+    assert s.input_shape == (2, 3, 3) and np.array_equal(s.x_test, x)
 
 
 def test_parquet_errors(pq_data, tmp_path):
     root = pq_data[0]
     kw = {"train_size": None, "val_fraction": 0.2, "seed": 0}
     with pytest.raises(DataError, match=r"pixels.*\['image', 'label'\]"):
-        load_parquet(root / "train.parquet", test_path=root / "test.parquet", image_column="pixels", **kw)
+        load_parquet(root / "train.parquet", test_path=root / "test.parquet", input_column="pixels", **kw)
     with pytest.raises(DataError, match="data.test_path"):
         load_parquet(root / "train.parquet", test_path=None, **kw)
     with pytest.raises(DataError, match="data.path.*nothing-here"):
@@ -297,13 +300,13 @@ def _missing_class(s):
 @pytest.mark.parametrize(
     "corrupt, where",
     [
-        (_nan_val, "val: images hold 1 NaN/Inf"),
+        (_nan_val, "val: inputs hold 1 NaN/Inf"),
         (_bad_label, r"test: labels span \[0, 3\], outside \[0, 3\)"),
         (_empty_train, "train: split is empty"),
         (_missing_class, r"train: class\(es\) \[1\]"),
-        (lambda s: dataclasses.replace(s, x_test=s.x_test[:, 0]), "test: images have shape"),
-        (lambda s: dataclasses.replace(s, y_val=s.y_val[:-1]), "val: 6 images but 5 labels"),
-        (lambda s: dataclasses.replace(s, x_val=s.x_val[:, :, :2]), "image shapes differ"),
+        (lambda s: dataclasses.replace(s, x_test=s.x_test[:, 0, 0, 0]), r"test: inputs have shape \(6,\), expected"),
+        (lambda s: dataclasses.replace(s, y_val=s.y_val[:-1]), "val: 6 inputs but 5 targets"),
+        (lambda s: dataclasses.replace(s, x_val=s.x_val[:, :, :2]), "input shapes differ"),
         (lambda s: dataclasses.replace(s, std=0.0), "std > 0"),
     ],
     ids=["nan", "bad-label", "empty", "missing-class", "wrong-rank", "length", "shape", "std"],

@@ -134,10 +134,10 @@ def _finished_run(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("command", ["report", "export"])
 def test_report_and_export_on_a_damaged_summary_exit_with_the_artifact_error(tmp_path, capsys, command):
     run = _finished_run(tmp_path)
-    _edit(run / "summary.json", lambda d: d.pop("test_accuracy"))
+    _edit(run / "summary.json", lambda d: d.pop("test_loss"))
     assert cli_main([command, str(run)]) == ArtifactError.exit_code == 2
     err = capsys.readouterr().err
-    assert f"{run / 'summary.json'}: 'test_accuracy' missing" in err and "re-run the pipeline" in err
+    assert f"{run / 'summary.json'}: 'test_loss' missing" in err and "re-run the pipeline" in err
 
 
 def test_export_on_a_damaged_manifest_exits_with_the_artifact_error(tmp_path, capsys):
@@ -175,7 +175,7 @@ def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
     (ckpt / CHECKPOINT_STATE).write_text(json.dumps(metrics))
     nodes = ["a" * 56, "b" * 56]  # what rank 0 wrote: each rank's node, in rank order
     (ckpt / CHECKPOINT_NODES).write_text(json.dumps(nodes))
-    session = StageSession(cfg, tmp_path / "run", "data-ref", "d" * 64, data.image_shape, data.num_classes)
+    session = StageSession(cfg, tmp_path / "run", "data-ref", "d" * 64, data.input_shape, data.out_width)
     fp = stage_fingerprint(cfg, 0, "", "d" * 64)
     trained, handoff = session.finish(
         0, None, _Result(ckpt, [metrics]), fp=fp, run_name="00-features-x-a1", started=0.0

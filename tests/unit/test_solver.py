@@ -250,7 +250,7 @@ def test_step_count_preflight_reports_both_numbers(debug_raw):
 
 
 def test_accumulation_windows_cover_every_micro_batch_once():
-    windows = list(accumulation_windows(list(range(10)), 4))
+    windows = list(accumulation_windows(iter(range(10)), 10, 4))
     assert [b for b, _, _ in windows] == list(range(10))
     assert [size for _, size, _ in windows] == [4] * 8 + [2] * 2
     assert [i for i, (_, _, last) in enumerate(windows) if last] == [3, 7, 9]

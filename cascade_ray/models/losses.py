@@ -1,0 +1,88 @@
+"""Stage losses by name (``stages[i].loss.type``), matched to the data's target kind.
+
+A builtin name fits one target kind: ``cross_entropy`` class indices, ``bce`` multilabel
+0/1 flags (one sigmoid per class), ``mse`` / ``huber`` regression values. A
+``package.module:Callable`` returns a loss module called as ``loss(outputs, targets)``
+that returns the batch-mean loss; :func:`loss_issue` runs it once on the meta device, as
+the shape preflight does for models, so a broken loss fails before Ray starts.
+
+Targets are shaped by kind: class ``(B,)`` int64, multilabel ``(B, K)`` float32,
+regression ``(B, dim)`` float32; outputs are always ``(B, out_width)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cascade_ray.config.schema import LossConfig
+from cascade_ray.models.registry import ModelSpecError, _import_callable
+from cascade_ray.text import did_you_mean
+
+# builtin loss -> the target kind it fits
+BUILTIN_LOSSES = {"cross_entropy": "class", "bce": "multilabel", "mse": "regression", "huber": "regression"}
+DEFAULT_LOSS = {"class": "cross_entropy", "multilabel": "bce", "regression": "mse"}
+
+
+def build_loss(cfg: LossConfig, *, training: bool = True) -> nn.Module:
+    """The loss module of a stage; `training` False leaves out label smoothing (evaluation).
+
+    Raises:
+        ModelSpecError: a ``package.module:Callable`` cannot be imported or returns no module.
+    """
+    if cfg.type == "cross_entropy":
+        return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing if training else 0.0)
+    if cfg.type == "bce":
+        return nn.BCEWithLogitsLoss()
+    if cfg.type == "mse":
+        return nn.MSELoss()
+    if cfg.type == "huber":
+        return nn.HuberLoss(delta=cfg.huber_delta)
+    factory = _import_callable(cfg.type)
+    try:
+        loss = factory()
+    except Exception as exc:  # user code fails in its own words
+        raise ModelSpecError(f"loss type {cfg.type!r}: calling it failed: {type(exc).__name__}: {exc}") from exc
+    if not callable(loss):
+        raise ModelSpecError(f"loss type {cfg.type!r} returned a {type(loss).__name__}, not a callable loss module")
+    return loss
+
+
+def example_targets(kind: str, batch: int, width: int, device: str | torch.device = "meta") -> torch.Tensor:
+    """A target batch of `kind` for outputs of `width` (what the data loader produces)."""
+    if kind == "class":
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return torch.zeros(batch, width, dtype=torch.float32, device=device)
+
+
+def loss_issue(cfg: LossConfig, kind: str, out_width: int) -> tuple[str, str, str | None] | None:
+    """The problem with using loss `cfg` on targets of `kind`, or None: ``(key, message, fix)``.
+
+    Keys are relative to the stage (``loss.type``, ``loss.label_smoothing``); the message
+    names ``data.target.kind`` when the two do not fit.
+    """
+    fits = BUILTIN_LOSSES.get(cfg.type)
+    if fits is not None and fits != kind:
+        return (
+            "loss.type",
+            f"{cfg.type!r} is a loss for {fits} targets, but data.target.kind is {kind!r}",
+            f"use loss.type: {DEFAULT_LOSS[kind]} for {kind} targets, or fix data.target.kind",
+        )
+    if cfg.label_smoothing and cfg.type != "cross_entropy":
+        return "loss.label_smoothing", f"only applies to cross_entropy (loss.type is {cfg.type!r})", "remove it"
+    if fits is not None:
+        return None
+    if ":" not in cfg.type:
+        valid = ", ".join(BUILTIN_LOSSES)
+        hint = did_you_mean(cfg.type, list(BUILTIN_LOSSES))
+        return "loss.type", f"unknown loss {cfg.type!r}{hint} (valid: {valid}, or package.module:Callable)", None
+    try:
+        loss = build_loss(cfg)
+        with torch.device("meta"):
+            out = loss(torch.empty(2, out_width), example_targets(kind, 2, out_width))
+    except Exception as exc:  # noqa: BLE001 - user losses fail in their own words
+        return "loss.type", f"{cfg.type!r} fails on (B, {out_width}) outputs and {kind} targets: {exc}", None
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return "loss.type", f"{cfg.type!r} returns {got}, not a scalar tensor", "reduce the loss to its batch mean"
+    return None
