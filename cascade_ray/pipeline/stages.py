@@ -99,8 +99,8 @@ class StageSession:
     data_fp: str
     input_shape: tuple[int, ...]
     out_width: int  # outputs of the last head: classes, or regression values
-    data_spec: dict[str, Any] = field(default_factory=dict)  # DataSplits.spec(): into every manifest
     log: Callable[[str], None] = print
+    data_spec: dict[str, Any] = field(default_factory=dict)  # DataSplits.spec(): into every manifest
     split_sizes: dict[str, int] = field(default_factory=dict)  # samples per split, for the feature cache
     options: RunOptions = field(default_factory=RunOptions)
     board: Any = None  # the run's progress board (None: no live display)
