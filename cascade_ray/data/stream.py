@@ -10,6 +10,8 @@ Public names (stable; the integrator wires them to ``data.streaming``):
   content-hash split, not a stratified one**: a row is val when a seeded 64-bit hash of its input
   bytes falls below ``val_fraction``, so the split does not depend on file order, block layout or
   worker count, and duplicate inputs always land in the same part.
+In :mod:`cascade_ray.data.stream_ingest` (it imports Ray Data; this module needs no Ray):
+
 - :func:`streaming_datasets` - ``{"train", "val"[, "test"]}`` Ray Datasets (``ray.data.read_parquet``
   + the same hash filter, so row counts equal the scan's), for ``TorchTrainer(datasets=...)``.
 - :class:`StreamingDataConfig` - the ``DataConfig`` to pass with them: train is split with
@@ -19,7 +21,7 @@ Public names (stable; the integrator wires them to ``data.streaming``):
   ``ray.train.get_dataset_shard(name)``.
 - :func:`streaming_resource_issue` / :func:`decide_streaming` - the CPU rule and ``auto``.
 
-Ray 2.60 facts this relies on (checked in the installed source; see docs in the report):
+Ray 2.60 facts this relies on (checked in the installed source):
 Train v2 registers its workers' resources with Ray Data's autoscaling coordinator at HIGH
 priority and Ray Data's executor gets only what is left, so Ray Data needs CPUs that no
 training worker holds; ``streaming_split(n, equal=True)`` gives each split ``N // n`` rows and
