@@ -17,7 +17,7 @@ In :mod:`cascade_ray.data.stream_ingest` (it imports Ray Data; this module needs
 - :class:`StreamingDataConfig` - the ``DataConfig`` to pass with them: train is split with
   ``equal=True`` (every rank the same rows, so DDP steps in lock-step), eval splits with
   ``equal=False`` (each row exactly once across ranks).
-- :class:`StreamSource` - the worker-side :class:`BatchSource` over
+- :class:`StreamSource` - the worker-side :class:`~cascade_ray.data.batches.BatchSource` over
   ``ray.train.get_dataset_shard(name)``.
 - :func:`streaming_resource_issue` / :func:`decide_streaming` - the CPU rule and ``auto``.
 
@@ -37,21 +37,20 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 from cascade_ray.data.parquet import SHAPE_METADATA_KEY, _resolve_files
+from cascade_ray.data.splits import TARGET_KINDS, stats_axis, stats_shape
 from cascade_ray.errors import DataError
 from cascade_ray.storage import redact
 
-TARGET_KINDS = ("class", "multilabel", "regression")
 DATA_CPUS_KEY = "data.streaming_cpus"
 # `data.streaming: auto` streams when the train inputs would take more than this share of the
 # object store (in-memory data is ray.put once and must leave room for weights and Ray Data).
@@ -59,20 +58,6 @@ AUTO_STORE_SHARE = 0.3
 SCAN_TASK_CPUS = 0.5  # scan tasks are I/O + numpy: two per core keep a core busy while one waits
 _ROW_GROUPS_PER_TASK = 8
 _NO_SKIP = "cascade-ray never skips bad rows: drop or repair it and rerun"
-
-
-class BatchSource(Protocol):
-    """What the stage loop iterates; the in-memory ArraySource implements the same protocol."""
-
-    def __len__(self) -> int: ...
-
-    def num_train_batches(self, batch_size: int, world: int) -> int: ...
-
-    def train_epoch(
-        self, batch_size: int, *, rank: int, world: int, seed: int, epoch: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
-
-    def eval_epoch(self, batch_size: int, *, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 # --- the content-hash split ----------------------------------------------------------------
@@ -215,18 +200,6 @@ def target_array(
 # --- statistics: per-channel moments merged exactly (Chan et al.) ----------------------------
 
 
-def channel_axis(shape: Sequence[int]) -> int:
-    """Axis of the per-sample shape that normalisation is per: 0 for [C, H, W] (rank >= 3), the last otherwise."""
-    return 0 if len(shape) >= 3 else len(shape) - 1
-
-
-def stats_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """Broadcast shape of mean/std against one sample: (C, 1, 1) for images, (D,) for [D] and [T, D]."""
-    if len(shape) >= 3:
-        return (shape[0],) + (1,) * (len(shape) - 1)
-    return (shape[-1],)
-
-
 @dataclass
 class Moments:
     """Count, mean and sum of squared deviations per channel, float64."""
@@ -237,7 +210,7 @@ class Moments:
 
     @classmethod
     def of(cls, x: np.ndarray, shape: Sequence[int]) -> Moments:
-        axis = 1 + channel_axis(shape)
+        axis = 1 + stats_axis(tuple(shape))
         c = x.shape[axis]
         v = np.moveaxis(x, axis, -1).reshape(-1, c).astype(np.float64)
         mean = v.mean(axis=0) if len(v) else np.zeros(c)

@@ -161,7 +161,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class StreamSource:
-    """A :class:`~cascade_ray.data.stream.BatchSource` over one rank's Ray Data shard.
+    """A :class:`~cascade_ray.data.batches.BatchSource` over one rank's Ray Data shard.
 
     Built in the train loop::
 

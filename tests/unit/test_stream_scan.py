@@ -115,7 +115,9 @@ def test_each_bad_row_names_file_row_group_and_row(tmp_path, x, y, kind, message
     if x == "null_value":
         x_col = pa.FixedSizeListArray.from_arrays(pa.array([None if i == 26 else float(i) for i in range(40)]), 4)
     elif x == "null_row":
-        x_col = pa.array([None if i == 6 else list(map(float, row)) for i, row in enumerate(GOOD)], pa.list_(pa.float32()))
+        x_col = pa.array(
+            [None if i == 6 else list(map(float, row)) for i, row in enumerate(GOOD)], pa.list_(pa.float32())
+        )
     elif x == "short":
         x_col = pa.array([list(row[:3]) if i == 6 else list(row) for i, row in enumerate(GOOD)], pa.list_(pa.float32()))
     if isinstance(y, str) and y == "multilabel":
