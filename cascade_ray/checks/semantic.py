@@ -72,6 +72,28 @@ def _data_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
                     "remove data.target.kind, or use data.source: parquet",
                 )
             )
+    if data.streaming is not False and data.source != "parquet":
+        issues.append(
+            ConfigIssue(
+                "data.streaming",
+                f"streams Parquet files, but data.source is {data.source!r}",
+                "use data.source: parquet",
+            )
+        )
+    if data.streaming is True and data.train_size is not None:
+        issues.append(
+            ConfigIssue("data.train_size", "not used with data.streaming: true (every row is streamed)", "remove it")
+        )
+    if data.streaming is True:
+        issues += [
+            ConfigIssue(
+                f"stages[{i}].freeze.cache_features",
+                "'on', but the frozen-feature cache is computed from in-memory data, and data.streaming is true",
+                "set cache_features: auto (off while streaming), or data.streaming: false",
+            )
+            for i, s in enumerate(cfg.stages)
+            if s.freeze.cache_features == "on"
+        ]
     target = data.target
     if target.kind == "regression" and target.num_classes is not None:
         issues.append(

@@ -105,10 +105,24 @@ class DataConfig(_Strict):
         "training split; `none`: raw values; `{mean: [...], std: [...]}`: the statistics a pretrained "
         "stage expects. The values used are written to every stage manifest.",
     )
+    streaming: bool | Literal["auto"] = Field(
+        False,
+        description="Parquet only. `true`: stream the data through Ray Data (`read_parquet`, one shard per "
+        "worker, reshuffled every epoch) instead of loading it into the driver; the validation rows are a "
+        "seeded content-hash share of data.path (not stratified) and the statistics come from one scan. "
+        "`auto`: stream when the training inputs would take more than 30% of the object store.",
+    )
+    streaming_cpus: float = Field(
+        1.0,
+        gt=0.0,
+        description="Streaming: CPUs kept free of training workers for Ray Data's read tasks (Ray Train "
+        "reserves its CPUs first; with none left, streaming waits forever).",
+    )
     train_size: int | None = Field(
         None,
         gt=0,
-        description="Seeded subset of the training split to use (stratified for class targets); null means all.",
+        description="Seeded subset of the training split to use (stratified for class targets); null means all "
+        "(not with streaming).",
     )
     val_fraction: float = Field(
         0.1, gt=0.0, lt=1.0, description="Fraction of the training subset held out for validation."

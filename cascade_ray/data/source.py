@@ -45,36 +45,42 @@ def load_data(cfg: DataConfig, seed: int) -> DataSplits:
 
 
 def normalized(splits: DataSplits, cfg: DataConfig) -> DataSplits:
-    """`splits` with the statistics of ``data.normalize``.
+    """`splits` with the statistics of ``data.normalize`` (see :func:`normalized_stats`)."""
+    return splits.with_stats(*normalized_stats(cfg, splits.input_shape, splits.mean, splits.std))
 
-    ``auto`` keeps the loader's per-channel / per-feature training statistics (a constant
-    feature gets std 1, so it normalizes to 0 instead of dividing by zero); ``none`` is
-    mean 0, std 1; explicit ``{mean, std}`` lists hold one value per channel / feature
-    (or one for all).
+
+def normalized_stats(
+    cfg: DataConfig, input_shape: tuple[int, ...], mean: np.ndarray, std: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (mean, std) ``data.normalize`` asks for, given the training statistics `mean` / `std`.
+
+    ``auto`` keeps the per-channel / per-feature training statistics (a constant feature gets
+    std 1, so it normalizes to 0 instead of dividing by zero); ``none`` is mean 0, std 1;
+    explicit ``{mean, std}`` lists hold one value per channel / feature (or one for all).
 
     Raises:
         DataError: explicit statistics of the wrong length.
     """
     norm = cfg.normalize
     if norm == "auto":
-        std = np.asarray(splits.std, dtype=np.float32).copy()
+        std = np.asarray(std, dtype=np.float32).copy()
         std[std == 0] = 1.0
-        return splits.with_stats(splits.mean, std)
+        return np.asarray(mean, dtype=np.float32), std
     if norm == "none":
-        return splits.with_stats(np.zeros((), np.float32), np.ones((), np.float32))
-    shape = stats_shape(splits.input_shape)
-    want = shape[0] if len(splits.input_shape) == 3 else shape[-1]
+        return np.zeros((), np.float32), np.ones((), np.float32)
+    shape = stats_shape(input_shape)
+    want = shape[0] if len(input_shape) == 3 else shape[-1]
     arrays = []
     for key, values in (("mean", norm.mean), ("std", norm.std)):
         if len(values) not in (1, want):
-            what = "channels" if len(splits.input_shape) == 3 else "features"
+            what = "channels" if len(input_shape) == 3 else "features"
             raise DataError(
-                f"data.normalize.{key}: {len(values)} values, but the inputs {list(splits.input_shape)} have "
+                f"data.normalize.{key}: {len(values)} values, but the inputs {list(input_shape)} have "
                 f"{want} {what}; give {want} values (one per {what[:-1]}) or one for all"
             )
         arr = np.asarray(values, dtype=np.float32)
         arrays.append(arr.reshape(shape) if len(values) == want else arr.reshape(()))
-    return splits.with_stats(*arrays)
+    return arrays[0], arrays[1]
 
 
 def describe_stats(splits: DataSplits) -> str:

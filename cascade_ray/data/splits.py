@@ -71,6 +71,11 @@ class DataSplits:
         return tuple(int(d) for d in self.x_train.shape[1:])
 
     @property
+    def n_train(self) -> int:
+        """Rows of the training split."""
+        return len(self.y_train)
+
+    @property
     def out_width(self) -> int:
         """Outputs of the model's last head: classes, or regression values."""
         return int(self.num_classes)
@@ -132,6 +137,19 @@ class DataSplits:
             target_kind=str(d["target_kind"]),
             source=str(d["source"]),
         )
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What a stage needs to know of its data when the rows are streamed, not in memory
+    (:class:`DataSplits` has the same attributes): shapes, target, size, statistics."""
+
+    input_shape: tuple[int, ...]
+    out_width: int
+    target_kind: str
+    n_train: int
+    mean: np.ndarray
+    std: np.ndarray
 
 
 def stats_axis(input_shape: tuple[int, ...]) -> int:

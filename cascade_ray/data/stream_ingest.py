@@ -27,7 +27,9 @@ import torch
 from ray.data import DataIterator, Dataset, ExecutionOptions, FileShuffleConfig, RandomSeedConfig
 from ray.train import DataConfig
 
+from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data.parquet import _resolve_files
+from cascade_ray.data.splits import DataInfo
 from cascade_ray.data.stream import (
     AUTO_STORE_SHARE,
     DATA_CPUS_KEY,
@@ -320,3 +322,35 @@ def decide_streaming(
         f"{object_store_bytes / 2**20:.0f} MiB object store ({'over' if stream else 'within'} the "
         f"{share:.0%} share): {'streaming with Ray Data' if stream else 'in memory'}"
     )
+
+
+def worker_sources(
+    stream: dict[str, Any], cfg: PipelineConfig, device: torch.device
+) -> tuple[DataInfo, tuple[StreamSource, StreamSource]]:
+    """In a Ray Train worker: the stage's data info and (train, val) stream sources from its shards.
+
+    `stream` is what the driver put in the loop config (``StreamedData.loop_config()``).
+    """
+    import ray.train
+
+    shape = tuple(stream["stats_shape"])
+    mean = np.asarray(stream["mean"], dtype=np.float32).reshape(shape)
+    std = np.asarray(stream["std"], dtype=np.float32).reshape(shape)
+    data = cfg.data
+    common = {
+        "input_column": data.inputs.column,
+        "input_shape": tuple(stream["input_shape"]),
+        "target_column": data.target.column,
+        "target_kind": data.target.kind,
+        "num_classes": data.target.num_classes,
+        "target_dim": data.target.dim,
+        "mean": mean,
+        "std": std,
+        "device": device,
+    }
+    train = StreamSource(ray.train.get_dataset_shard("train"), rows=stream["train_rows"], split="train", **common)
+    val = StreamSource(ray.train.get_dataset_shard("val"), rows=stream["val_rows"], split="val", **common)
+    info = DataInfo(
+        tuple(stream["input_shape"]), int(stream["out_width"]), data.target.kind, int(stream["train_rows"]), mean, std
+    )
+    return info, (train, val)

@@ -37,6 +37,7 @@ from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.outputs import write_run_outputs
 from cascade_ray.pipeline.records import RunSummary, summary_text
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
+from cascade_ray.pipeline.streaming import StreamedData, check_streaming_resources, scan_data
 from cascade_ray.ray_compat import detected_cpus
 from cascade_ray.solver import step_count_issues
 from cascade_ray.solver.precision import precision_config_issues
@@ -84,16 +85,19 @@ def run_pipeline(
         raise ConfigError([ConfigIssue("stage", f"no stage {', '.join(map(repr, unknown))} to run a runner for")])
     out = run_dir(cfg)
     check_reach(cfg)  # storage writable, data readable (a small probe), before any Ray resource
-    data = load_data(cfg.data, cfg.seed)  # DataError before any Ray resource
+    # DataError before any Ray resource; streamed data is scanned (every row checked), not loaded
+    data: DataSplits | StreamedData = (
+        scan_data(cfg) if cfg.data.streaming is not False else load_data(cfg.data, cfg.seed)
+    )
     require_plans(cfg, data.input_shape, data.out_width)
     # schedule lengths vs the real optimizer steps need the training-set size
-    errors, warnings = step_count_issues(cfg, len(data.y_train))
+    errors, warnings = step_count_issues(cfg, data.n_train)
     bf16_errors, bf16_warnings = precision_config_issues(cfg)  # explicit bf16 on this CPU if it emulates it
     errors, warnings = errors + bf16_errors, warnings + bf16_warnings
     for issue in warnings:
         log(f"warning: {issue.render()}")
     if errors:
-        raise ConfigError(errors, source=f"{cfg.name} ({len(data.y_train)} training samples)")
+        raise ConfigError(errors, source=f"{cfg.name} ({data.n_train} training samples)")
     log(f"data: {data.source}: {describe_data(data)}")
     # one driver per run folder, for the whole run: taken once the input is known good, before Ray
     with hold_run_lock(out, break_lock=options.break_lock, log=log):
@@ -109,7 +113,7 @@ def _run_locked(
     options: RunOptions,
     runners: dict[str, StageRunner],
     out: StorageDir,
-    data: DataSplits,
+    data: DataSplits | StreamedData,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The run itself, under the run lock: Ray, every stage, the composed-model test, the outputs."""
@@ -123,16 +127,19 @@ def _run_locked(
         for line in check_resources(cfg, cluster):
             log(line)
         check_shared_storage(out, hosts=cluster.hosts, may_add_nodes=cluster.may_add_nodes, log=log)
+        data = _settle_streaming(cfg, data, runners, log)
+        stream = data if isinstance(data, StreamedData) else None
         session = StageSession(
             cfg,
             out,
-            ray.put(data.to_arrays()),
+            ray.put(data.to_arrays()) if stream is None else None,
             data.fingerprint(),
             data.input_shape,
             data.out_width,
             log,
             data_spec=data.spec(),
-            split_sizes={"train": len(data.y_train), "val": len(data.y_val)},
+            split_sizes={"train": len(data.y_train), "val": len(data.y_val)} if stream is None else {},
+            stream=stream,
             options=options,
             board=progress.board,
         )
@@ -179,7 +186,7 @@ def _run_locked(
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(summary_text(run_summary))
     with staged_dir(out) as local:  # the report writers use local paths; staged to s3:// / gs:// here
-        write_run_outputs(local, final_cfg, records, np.asarray(data.y_test), test["predictions"], log=log)
+        write_run_outputs(local, final_cfg, records, test["labels"], test["predictions"], log=log)
     log(format_table(summary))
     return summary
 
@@ -238,8 +245,39 @@ def _job_env_vars() -> set[str]:
     return set((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
-def describe_data(data: DataSplits) -> str:
+def _settle_streaming(
+    cfg: PipelineConfig, data: DataSplits | StreamedData, runners: dict[str, StageRunner], log: Callable[[str], None]
+) -> DataSplits | StreamedData:
+    """After ``ray.init``: ``data.streaming: auto`` decides against the object store's size (loading
+    the data when it fits); streamed data must leave Ray Data its CPUs and is not swept (yet)."""
+    if not isinstance(data, StreamedData):
+        return data
+    if cfg.data.streaming == "auto":
+        from cascade_ray.data.stream_ingest import decide_streaming
+
+        store = float(ray.cluster_resources().get("object_store_memory", 0.0))
+        stream, line = decide_streaming("auto", data.scan.train_nbytes, store)
+        log(line)
+        if not stream:
+            return load_data(cfg.data, cfg.seed)
+    if runners:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "data.streaming",
+                    f"Tune sweeps ({', '.join(runners)}) read in-memory data; streamed data cannot be swept yet",
+                    "sweep with data.streaming: false (e.g. on a data.train_size subset), then train streamed",
+                )
+            ]
+        )
+    check_streaming_resources(cfg, float(ray.cluster_resources().get("CPU", 0.0)))
+    return data
+
+
+def describe_data(data: DataSplits | StreamedData) -> str:
     """``train 5400, val 600, test 10000; inputs (1, 28, 28) uint8; 10 classes; normalize mean [...] std [...]``"""
+    if isinstance(data, StreamedData):
+        return f"{data.describe()}; {describe_stats(data)}"
     target = {
         "class": f"{data.out_width} classes",
         "multilabel": f"{data.out_width} labels (multilabel)",
@@ -252,23 +290,33 @@ def describe_data(data: DataSplits) -> str:
 
 
 @torch.no_grad()
-def evaluate_composed(cfg: PipelineConfig, data: DataSplits, state: NumpyState) -> dict[str, Any]:
+def evaluate_composed(cfg: PipelineConfig, data: DataSplits | StreamedData, state: NumpyState) -> dict[str, Any]:
     """The composed model (last head) on the test split: ``metrics`` (the target kind's, see
-    :mod:`cascade_ray.models.metrics`) and ``predictions`` per sample (class index, 0/1 flags,
-    or regression values)."""
+    :mod:`cascade_ray.models.metrics`), and ``labels`` and ``predictions`` per sample (class index,
+    0/1 flags, or regression values); streamed test files are read batch by batch."""
     plans = require_plans(cfg, data.input_shape, data.out_width)
     model = build_cascade(cfg, plans, data.out_width, upto=len(cfg.stages) - 1)
     load_numpy_state(model, state)
     model.eval()
-    source = ArraySource(data.x_test, data.y_test, data.mean, data.std, torch.device("cpu"))
+    if isinstance(data, StreamedData):
+        batches = data.test_batches()
+    else:
+        batches = ArraySource(data.x_test, data.y_test, data.mean, data.std, torch.device("cpu")).eval_epoch(
+            1000, rank=0, world=1
+        )
     head = model.order[-1]
     metrics = EvalMetrics(data.target_kind, data.out_width, build_loss(cfg.stages[-1].loss, training=False))
-    predictions = []
-    for x, y in source.eval_epoch(1000, rank=0, world=1):
+    labels, predictions = [], []
+    for x, y in batches:
         out = model(x, heads=[head])[head]
         metrics.update(out, y)
+        labels.append(y)
         predictions.append(predict(out, data.target_kind))
-    return {"metrics": metrics.compute(lambda v: v), "predictions": torch.cat(predictions).numpy()}
+    return {
+        "metrics": metrics.compute(lambda v: v),
+        "labels": torch.cat(labels).numpy(),
+        "predictions": torch.cat(predictions).numpy(),
+    }
 
 
 def predict(out: torch.Tensor, kind: str) -> torch.Tensor:

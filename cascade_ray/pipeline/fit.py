@@ -298,7 +298,7 @@ def fit_stage(
     cfg: PipelineConfig,
     index: int,
     *,
-    data_ref: ray.ObjectRef,
+    data_ref: ray.ObjectRef | None,
     upstream_ref: ray.ObjectRef | None,
     ray_dir: StorageDir,
     run_name: str,
@@ -306,13 +306,16 @@ def fit_stage(
     features_ref: ray.ObjectRef | None = None,
     options: RunOptions | None = None,
     board: Any = None,
+    stream: Any = None,
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job (:class:`StageTrainer`) and return its Result.
 
     ``callbacks`` go to ``RunConfig`` (Tune trials pass ``TuneReportCallback``); ``features_ref``
     holds the stage's cached upstream outputs (:mod:`cascade_ray.pipeline.features`);
     ``options`` are the run's (log level, profiled stages), ``board`` its progress board
-    (``None``: workers print their own progress).
+    (``None``: workers print their own progress); ``stream`` the
+    :class:`~cascade_ray.pipeline.streaming.StreamedData` when the rows are streamed: the fit then
+    gets fresh Ray Datasets of the train and val parts, and its workers their shards.
 
     Raises:
         CascadeError: a worker raised one (re-raised as is, with its message).
@@ -328,12 +331,14 @@ def fit_stage(
             "pipeline": pipeline,
             "stage_index": index,
             # refs inside lists: the worker ray.get()s them itself
-            "data_ref": [data_ref],
+            "data_ref": [data_ref] if data_ref is not None else [],
+            "stream": stream.loop_config() if stream is not None else None,
             "upstream_ref": [upstream_ref] if upstream_ref is not None else [],
             "features_ref": [features_ref] if features_ref is not None else [],
             "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
             **observer_config(cfg, index, ray_dir.parent, options, board),  # progress, log level, --profile trace
         },
+        **_stream_args(stream),
         # backend: Ray Train picks NCCL when workers have GPUs, gloo otherwise (TorchConfig(backend=None))
         scaling_config=ray.train.ScalingConfig(
             num_workers=stage.scaling.num_workers,
@@ -361,6 +366,16 @@ def fit_stage(
         return trainer.fit()
     except ray.train.WorkerGroupError as exc:
         raise _cascade_cause(exc) or exc from None
+
+
+def _stream_args(stream: Any) -> dict[str, Any]:
+    """``datasets`` and ``dataset_config`` of a streamed fit: train split equally over the workers
+    (DDP steps in lock-step), val unequally (every row once)."""
+    if stream is None:
+        return {}
+    from cascade_ray.data.stream_ingest import StreamingDataConfig
+
+    return {"datasets": stream.datasets(), "dataset_config": StreamingDataConfig()}
 
 
 def _cascade_cause(exc: ray.train.WorkerGroupError) -> Exception | None:

@@ -95,7 +95,7 @@ class StageSession:
 
     cfg: PipelineConfig
     out: Path
-    data_ref: ray.ObjectRef
+    data_ref: ray.ObjectRef | None  # the in-memory splits; None when the data is streamed (`stream`)
     data_fp: str
     input_shape: tuple[int, ...]
     out_width: int  # outputs of the last head: classes, or regression values
@@ -104,6 +104,7 @@ class StageSession:
     split_sizes: dict[str, int] = field(default_factory=dict)  # samples per split, for the feature cache
     options: RunOptions = field(default_factory=RunOptions)
     board: Any = None  # the run's progress board (None: no live display)
+    stream: Any = None  # pipeline.streaming.StreamedData when data.streaming streams the rows
     # (stage index, the cached inputs it trained on) of the newest cached stage only: the next
     # stage computes its own from it, older ones would pin object-store memory to the end
     newest_cache: tuple[int, FeatureCache] | None = None
@@ -133,6 +134,7 @@ class StageSession:
             features_ref=cache.ref if cache else None,
             options=self.options,
             board=self.board,
+            stream=self.stream,
         )
         return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
 
@@ -152,6 +154,10 @@ class StageSession:
     def feature_cache(self, index: int, upstream: Handoff | None) -> FeatureCache | None:
         """Stage `index`'s cached upstream outputs (computed or read), or None when it trains on raw inputs."""
         if upstream is None:
+            return None
+        if self.stream is not None:  # computed from in-memory arrays; streamed data trains on raw inputs
+            if self.cfg.stages[index].freeze.cache_features != "off":
+                self.log(f"  {self.cfg.stages[index].name}: feature cache off: the data is streamed (data.streaming)")
             return None
         plan = next(
             p

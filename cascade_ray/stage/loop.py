@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, BatchSource, accumulation_windows, augment
+from cascade_ray.data.splits import DataInfo
 from cascade_ray.errors import ConfigError
 from cascade_ray.hardware import Hardware
 from cascade_ray.models.cascade import CascadeModel
@@ -71,7 +72,7 @@ class StageOutcome:
 def run_stage(
     cfg: PipelineConfig,
     index: int,
-    data: DataSplits,
+    data: DataSplits | DataInfo,
     upstream: Mapping[str, np.ndarray] | None,
     reporter: Reporter,
     device: torch.device,
@@ -80,6 +81,7 @@ def run_stage(
     resume: Mapping[str, Any] | None = None,
     features: Mapping[str, np.ndarray] | None = None,
     hardware: Hardware | None = None,
+    sources: tuple[BatchSource, BatchSource] | None = None,
 ) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
@@ -98,6 +100,8 @@ def run_stage(
             (:mod:`cascade_ray.pipeline.features`); the model then starts at this stage's own
             adapter/module and the upstream is not run.
         hardware: what `device` runs natively (precision auto, memory format); default detected.
+        sources: (train, val) batch sources when the rows are streamed (``data`` is then a
+            :class:`~cascade_ray.data.splits.DataInfo`); default the in-memory arrays of `data`.
 
     Raises:
         ConfigError: a schedule length or the precision does not fit this run.
@@ -105,7 +109,7 @@ def run_stage(
     """
     stage, train = cfg.stages[index], cfg.stages[index].train
     hooks = hooks or LoopHooks()
-    _check_step_counts(stage, index, len(data.y_train), reporter)  # before anything is built
+    _check_step_counts(stage, index, data.n_train, reporter)  # before anything is built
 
     # model, solver and loss, built exactly as lr-find builds them (cascade_ray.stage.setup)
     setup = setup_stage(
@@ -151,7 +155,7 @@ def run_stage(
         monitor.fire("emulated_bf16", 0, *emulated_bf16_detail(hw, f"stages[{index}]", probe_slowdown(hw)))
     hooks.on_setup(state)
 
-    train_src, val_src = _sources(model, stage.name, data, features, device)
+    train_src, val_src = sources if sources is not None else _sources(model, stage.name, data, features, device)
     if train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
         evaluate(setup, val_src, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
     stopper = EarlyStopping(train.early_stopping)

@@ -20,6 +20,7 @@ from torch import nn
 
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.data import DataSplits
+from cascade_ray.data.splits import DataInfo
 from cascade_ray.hardware import Hardware, detect_hardware
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
 from cascade_ray.models.freeze import TrainablePlan, apply_freeze, plan_trainable
@@ -119,7 +120,7 @@ class StageSetup:
 def setup_stage(
     cfg: PipelineConfig,
     index: int,
-    data: DataSplits,
+    data: DataSplits | DataInfo,
     upstream: Mapping[str, np.ndarray] | None,
     device: torch.device,
     *,
@@ -173,7 +174,7 @@ def setup_stage(
 
     # the solver over what this stage trains
     optimizer = build_optimizer(build_param_groups(named, solver, f"{path}.solver", stage.name), solver)
-    total_steps = total_optimizer_steps(stage, len(data.y_train), world)
+    total_steps = total_optimizer_steps(stage, data.n_train, world)
     scheduler = build_scheduler(optimizer, solver.lr_scheduler, total_steps)
 
     return StageSetup(
@@ -212,7 +213,7 @@ def stage_seed(cfg: PipelineConfig, index: int) -> int:
 
 
 def build_stage_model(
-    cfg: PipelineConfig, index: int, data: DataSplits, upstream: Mapping[str, np.ndarray] | None
+    cfg: PipelineConfig, index: int, data: DataSplits | DataInfo, upstream: Mapping[str, np.ndarray] | None
 ) -> tuple[CascadeModel, TrainablePlan]:
     """The composed model for stage `index` with upstream weights loaded and frozen (on the CPU)."""
     plans = require_plans(cfg, data.input_shape, data.out_width)

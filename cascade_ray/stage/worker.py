@@ -127,13 +127,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    (data_ref,) = loop_config["data_ref"]
-    data = DataSplits.from_arrays(ray.get(data_ref))
+    device = ray.train.torch.get_device()
+    sources = None
+    if loop_config.get("stream"):  # rows streamed through Ray Data: this worker's shards
+        from cascade_ray.data.stream_ingest import worker_sources  # imports ray.data: only when streaming
+
+        data, sources = worker_sources(loop_config["stream"], cfg, device)
+    else:
+        (data_ref,) = loop_config["data_ref"]
+        data = DataSplits.from_arrays(ray.get(data_ref))
     upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
     features = (
         ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None
     )  # cached upstream outputs
-    device = ray.train.torch.get_device()
     reporter = RayReporter(device)
     wrap = _ddp_wrapper(cfg.stages[index], device) if reporter.world > 1 else None
     hooks = LoopHooks(
@@ -154,6 +160,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             hooks=chain_hooks(hooks, observe),
             resume=read_resume_state(),
             features=features,
+            sources=sources,
         )
     finally:
         finish_observing()
