@@ -35,9 +35,9 @@ __all__ = [
     "train_logging_config",
 ]
 
-# Ray Train / Tune machinery; their lines are Ray's business unless --log-level debug
+# Ray Train / Tune / Data machinery (SplitCoordinator: a streamed dataset's split); their lines are Ray's business unless --log-level debug
 _RAY_ACTORS = re.compile(
-    r"(TrainController|PlacementGroupCleaner|SynchronizationActor|TrainStateActor|PreemptionWatcher|DatasetManager|_PackActor)\b"
+    r"(TrainController|PlacementGroupCleaner|SynchronizationActor|TrainStateActor|PreemptionWatcher|DatasetManager|SplitCoordinator|_PackActor)\b"
 )
 # Ray's own log format (ray_constants.LOGGER_FORMAT): "2026-01-01 10:00:00,123\tINFO file.py:12 -- message"
 _RAY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(DEBUG|INFO|WARNING)\s+\S+:\d+ -- ")
@@ -82,7 +82,7 @@ def keep_lines(data: dict[str, Any], level: str) -> list[str]:
     lines = list(data.get("lines") or [])
     if level == "debug":
         return lines
-    if _RAY_ACTORS.match(data.get("actor_name") or "") or data.get("pid") in ("autoscaler", "raylet"):
+    if _RAY_ACTORS.match(data.get("actor_name") or "") or data.get("pid") in ("autoscaler", "raylet", "gcs_server"):
         return []
     kept = [line for line in lines if not _RAY_RECORD.match(line) and not _RAY_TRAIN_CHATTER.match(line)]
     if level == "warning":

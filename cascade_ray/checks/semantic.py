@@ -80,6 +80,14 @@ def _data_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
                 "use data.source: parquet",
             )
         )
+    if data.streaming is not False and data.target.kind != "regression" and data.target.num_classes is None:
+        issues.append(
+            ConfigIssue(
+                "data.target.num_classes",
+                "required with data.streaming: the scan and every streamed batch check the labels against it",
+                "set data.target.num_classes (e.g. 10)",
+            )
+        )
     if data.streaming is True and data.train_size is not None:
         issues.append(
             ConfigIssue("data.train_size", "not used with data.streaming: true (every row is streamed)", "remove it")

@@ -138,7 +138,8 @@ class StreamedData:
                 y = target_array(
                     batch.column(1), self.target_kind, self.cfg.target.num_classes, self.cfg.target.dim, cols[1], where
                 )
-                yield (torch.from_numpy(x).float() - mean) / std, torch.from_numpy(y)
+                # Arrow's buffers are read-only; the float conversion copies, the targets are small
+                yield (torch.from_numpy(x.astype(np.float32)) - mean) / std, torch.from_numpy(np.array(y))
 
 
 def scan_data(cfg: PipelineConfig) -> StreamedData:
