@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from paths import CONFIGS
+from paths import CONFIGS, example_data_overrides
 from run_records import manifest_fields
 
 from cascade_ray.checks import load_config
@@ -21,9 +21,19 @@ from cascade_ray.tools.diagnose import diagnose, format_report
 AUTO_ON_THIS_CPU = resolve_precision("auto", detect_hardware("cpu")).resolved
 
 
+@pytest.fixture(scope="module")
+def example_data(tmp_path_factory):
+    """pipelines/make_example_data.py's files, for the configs whose data.path points there."""
+    from cascade_ray.data.examples import write_example_data
+
+    out = tmp_path_factory.mktemp("example-data")
+    write_example_data(out)
+    return out
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_stage_of_every_shipped_config_diagnoses_healthy(path):
-    cfg = load_config(path)
+def test_every_stage_of_every_shipped_config_diagnoses_healthy(path, example_data):
+    cfg = load_config(path, example_data_overrides(path, example_data))
     data = load_data(cfg.data, cfg.seed)
     for index, stage in enumerate(cfg.stages):
         report = diagnose(cfg, index, data, steps=3)
