@@ -31,6 +31,7 @@ __all__ = [
     "apply_log_level",
     "install_worker_filter",
     "keep_lines",
+    "quiet_ray_data",
     "ray_logging_level",
     "train_logging_config",
 ]
@@ -88,6 +89,17 @@ def keep_lines(data: dict[str, Any], level: str) -> list[str]:
     if level == "warning":
         kept = [line for line in kept if not _OWN_INFO.match(line)]
     return kept
+
+
+def quiet_ray_data() -> None:
+    """Ray Data in the driver (streamed datasets, the streamed feature cache) without its progress
+    bars and INFO lines unless the ``ray`` logger is at DEBUG (``--log-level debug``)."""
+    import ray.data
+
+    level = logging.getLogger("ray").getEffectiveLevel()
+    if level > logging.DEBUG:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        logging.getLogger("ray.data").setLevel(max(level, logging.WARNING))
 
 
 def set_print_guard(guard: Callable[[], AbstractContextManager[Any]] | None) -> None:

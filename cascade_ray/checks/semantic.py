@@ -92,16 +92,6 @@ def _data_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
         issues.append(
             ConfigIssue("data.train_size", "not used with data.streaming: true (every row is streamed)", "remove it")
         )
-    if data.streaming is True:
-        issues += [
-            ConfigIssue(
-                f"stages[{i}].freeze.cache_features",
-                "'on', but the frozen-feature cache is computed from in-memory data, and data.streaming is true",
-                "set cache_features: auto (off while streaming), or data.streaming: false",
-            )
-            for i, s in enumerate(cfg.stages)
-            if s.freeze.cache_features == "on"
-        ]
     target = data.target
     if target.kind == "regression" and target.num_classes is not None:
         issues.append(

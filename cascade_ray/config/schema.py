@@ -194,8 +194,9 @@ class LossConfig(_Strict):
     """The stage's loss and its weight."""
 
     type: str = Field(
-        "cross_entropy",
-        description="`cross_entropy` (class targets), `bce` (multilabel: one sigmoid per class), `mse` or "
+        "auto",
+        description="`auto`: the loss of data.target.kind (class: cross_entropy, multilabel: bce, regression: "
+        "mse); `cross_entropy` (class targets), `bce` (multilabel: one sigmoid per class), `mse` or "
         "`huber` (regression), or `package.module:Callable` returning a loss module called as "
         "`loss(outputs, targets)` (checked on the meta device before Ray starts).",
     )

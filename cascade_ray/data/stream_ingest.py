@@ -338,9 +338,9 @@ def worker_sources(
     std = np.asarray(stream["std"], dtype=np.float32).reshape(shape)
     data = cfg.data
     common = {
-        "input_column": data.inputs.column,
-        "input_shape": tuple(stream["input_shape"]),
-        "target_column": data.target.column,
+        "input_column": stream["input_column"],  # `x` when the stage streams its cached features
+        "input_shape": tuple(stream["source_shape"]),
+        "target_column": stream["target_column"],
         "target_kind": data.target.kind,
         "num_classes": data.target.num_classes,
         "target_dim": data.target.dim,

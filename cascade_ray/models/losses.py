@@ -1,6 +1,6 @@
 """Stage losses by name (``stages[i].loss.type``), matched to the data's target kind.
 
-A builtin name fits one target kind: ``cross_entropy`` class indices, ``bce`` multilabel
+``auto`` (the default) is the kind's own loss. A builtin name fits one target kind: ``cross_entropy`` class indices, ``bce`` multilabel
 0/1 flags (one sigmoid per class), ``mse`` / ``huber`` regression values. A
 ``package.module:Callable`` returns a loss module called as ``loss(outputs, targets)``
 that returns the batch-mean loss; :func:`loss_issue` runs it once on the meta device, as
@@ -24,12 +24,18 @@ BUILTIN_LOSSES = {"cross_entropy": "class", "bce": "multilabel", "mse": "regress
 DEFAULT_LOSS = {"class": "cross_entropy", "multilabel": "bce", "regression": "mse"}
 
 
-def build_loss(cfg: LossConfig, *, training: bool = True) -> nn.Module:
-    """The loss module of a stage; `training` False leaves out label smoothing (evaluation).
+def loss_type(cfg: LossConfig, kind: str) -> str:
+    """``loss.type`` with ``auto`` resolved for the target kind."""
+    return DEFAULT_LOSS[kind] if cfg.type == "auto" else cfg.type
+
+
+def build_loss(cfg: LossConfig, kind: str, *, training: bool = True) -> nn.Module:
+    """The loss module of a stage on targets of `kind`; `training` False leaves out label smoothing (evaluation).
 
     Raises:
         ModelSpecError: a ``package.module:Callable`` cannot be imported or returns no module.
     """
+    cfg = cfg.model_copy(update={"type": loss_type(cfg, kind)})
     if cfg.type == "cross_entropy":
         return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing if training else 0.0)
     if cfg.type == "bce":
@@ -48,6 +54,10 @@ def build_loss(cfg: LossConfig, *, training: bool = True) -> nn.Module:
     return loss
 
 
+def _fitting(kind: str) -> str:
+    return " or ".join(name for name, fits in BUILTIN_LOSSES.items() if fits == kind)
+
+
 def example_targets(kind: str, batch: int, width: int, device: str | torch.device = "meta") -> torch.Tensor:
     """A target batch of `kind` for outputs of `width` (what the data loader produces)."""
     if kind == "class":
@@ -61,12 +71,13 @@ def loss_issue(cfg: LossConfig, kind: str, out_width: int) -> tuple[str, str, st
     Keys are relative to the stage (``loss.type``, ``loss.label_smoothing``); the message
     names ``data.target.kind`` when the two do not fit.
     """
+    cfg = cfg.model_copy(update={"type": loss_type(cfg, kind)})
     fits = BUILTIN_LOSSES.get(cfg.type)
     if fits is not None and fits != kind:
         return (
             "loss.type",
             f"{cfg.type!r} is a loss for {fits} targets, but data.target.kind is {kind!r}",
-            f"use loss.type: {DEFAULT_LOSS[kind]} for {kind} targets, or fix data.target.kind",
+            f"use loss.type: {_fitting(kind)} (or auto) for {kind} targets, or fix data.target.kind",
         )
     if cfg.label_smoothing and cfg.type != "cross_entropy":
         return "loss.label_smoothing", f"only applies to cross_entropy (loss.type is {cfg.type!r})", "remove it"
@@ -77,7 +88,7 @@ def loss_issue(cfg: LossConfig, kind: str, out_width: int) -> tuple[str, str, st
         hint = did_you_mean(cfg.type, list(BUILTIN_LOSSES))
         return "loss.type", f"unknown loss {cfg.type!r}{hint} (valid: {valid}, or package.module:Callable)", None
     try:
-        loss = build_loss(cfg)
+        loss = build_loss(cfg, kind)
         with torch.device("meta"):
             out = loss(torch.empty(2, out_width), example_targets(kind, 2, out_width))
     except Exception as exc:  # noqa: BLE001 - user losses fail in their own words

@@ -305,7 +305,9 @@ def evaluate_composed(cfg: PipelineConfig, data: DataSplits | StreamedData, stat
             1000, rank=0, world=1
         )
     head = model.order[-1]
-    metrics = EvalMetrics(data.target_kind, data.out_width, build_loss(cfg.stages[-1].loss, training=False))
+    metrics = EvalMetrics(
+        data.target_kind, data.out_width, build_loss(cfg.stages[-1].loss, data.target_kind, training=False)
+    )
     labels, predictions = [], []
     for x, y in batches:
         out = model(x, heads=[head])[head]

@@ -34,6 +34,7 @@ from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, resumable_run, unique_run_name
 from cascade_ray.pipeline.records import ManifestFields, StageRecord
+from cascade_ray.pipeline.stream_cache import StreamedCache, prepare_streamed_cache
 from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, read_checkpoint
 
 
@@ -107,7 +108,7 @@ class StageSession:
     stream: Any = None  # pipeline.streaming.StreamedData when data.streaming streams the rows
     # (stage index, the cached inputs it trained on) of the newest cached stage only: the next
     # stage computes its own from it, older ones would pin object-store memory to the end
-    newest_cache: tuple[int, FeatureCache] | None = None
+    newest_cache: tuple[int, FeatureCache | StreamedCache] | None = None
 
     def artifact_dir(self, index: int) -> Path:
         return self.out / "stages" / self.cfg.stages[index].name
@@ -131,10 +132,10 @@ class StageSession:
             upstream_ref=upstream.ref if upstream else None,
             ray_dir=self.out / "ray",
             run_name=name,
-            features_ref=cache.ref if cache else None,
+            features_ref=cache.ref if cache is not None and self.stream is None else None,
             options=self.options,
             board=self.board,
-            stream=self.stream,
+            stream=cache if cache is not None and self.stream is not None else self.stream,
         )
         return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
 
@@ -151,19 +152,28 @@ class StageSession:
         )
         return name
 
-    def feature_cache(self, index: int, upstream: Handoff | None) -> FeatureCache | None:
+    def feature_cache(self, index: int, upstream: Handoff | None) -> FeatureCache | StreamedCache | None:
         """Stage `index`'s cached upstream outputs (computed or read), or None when it trains on raw inputs."""
         if upstream is None:
-            return None
-        if self.stream is not None:  # computed from in-memory arrays; streamed data trains on raw inputs
-            if self.cfg.stages[index].freeze.cache_features != "off":
-                self.log(f"  {self.cfg.stages[index].name}: feature cache off: the data is streamed (data.streaming)")
             return None
         plan = next(
             p
             for p in require_plans(self.cfg, self.input_shape, self.out_width)
             if p.name == self.cfg.stages[index].name
         )
+        if self.stream is not None:  # computed by Ray Data, stored as shards, streamed back
+            cache = prepare_streamed_cache(
+                self.cfg,
+                index,
+                out=self.out,
+                stream=self.stream,
+                in_shape=plan.in_shape,
+                upstream=upstream,
+                previous=self.cache_of(index - 1),
+                log=self.log,
+            )
+            self.newest_cache = (index, cache) if cache is not None else None
+            return cache
         cache = prepare_feature_cache(
             self.cfg,
             index,
@@ -178,7 +188,7 @@ class StageSession:
         self.newest_cache = (index, cache) if cache is not None else None
         return cache
 
-    def cache_of(self, index: int) -> FeatureCache | None:
+    def cache_of(self, index: int) -> FeatureCache | StreamedCache | None:
         """The cached inputs stage `index` trained on, if it is the newest cached stage."""
         return self.newest_cache[1] if self.newest_cache is not None and self.newest_cache[0] == index else None
 

@@ -103,10 +103,14 @@ class StreamedData:
             "train_rows": self.scan.train_rows,
             "val_rows": self.scan.val_rows,
             "input_shape": list(self.input_shape),
+            "source_shape": list(self.input_shape),  # what each streamed row holds
             "out_width": self.out_width,
             "mean": np.asarray(self.mean).tolist(),
             "std": np.asarray(self.std).tolist(),
             "stats_shape": list(np.shape(self.mean)),
+            "input_column": self.cfg.inputs.column,
+            "target_column": self.cfg.target.column,
+            "input_stage": None,
         }
 
     def datasets(self) -> dict[str, Any]:

@@ -82,6 +82,7 @@ def run_stage(
     features: Mapping[str, np.ndarray] | None = None,
     hardware: Hardware | None = None,
     sources: tuple[BatchSource, BatchSource] | None = None,
+    input_stage: str | None = None,
 ) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
@@ -102,6 +103,8 @@ def run_stage(
         hardware: what `device` runs natively (precision auto, memory format); default detected.
         sources: (train, val) batch sources when the rows are streamed (``data`` is then a
             :class:`~cascade_ray.data.splits.DataInfo`); default the in-memory arrays of `data`.
+        input_stage: with `sources` streaming a stage's cached upstream features
+            (:mod:`cascade_ray.pipeline.stream_cache`): the stage the model's forward starts at.
 
     Raises:
         ConfigError: a schedule length or the precision does not fit this run.
@@ -156,6 +159,8 @@ def run_stage(
     hooks.on_setup(state)
 
     train_src, val_src = sources if sources is not None else _sources(model, stage.name, data, features, device)
+    if input_stage is not None:
+        model.input_stage = input_stage
     if train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
         evaluate(setup, val_src, reporter, prefix="sanity_", max_batches=train.sanity_val_steps)
     stopper = EarlyStopping(train.early_stopping)

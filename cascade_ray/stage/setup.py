@@ -194,8 +194,8 @@ def setup_stage(
         memory_format=memory_format,
         memory_format_reason=format_why,
         compiled=compiled,
-        criterion=build_loss(stage.loss),
-        eval_loss=build_loss(stage.loss, training=False),
+        criterion=build_loss(stage.loss, data.target_kind),
+        eval_loss=build_loss(stage.loss, data.target_kind, training=False),
         target_kind=data.target_kind,
         out_width=data.out_width,
     )

@@ -161,6 +161,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             resume=read_resume_state(),
             features=features,
             sources=sources,
+            input_stage=loop_config["stream"].get("input_stage") if loop_config.get("stream") else None,
         )
     finally:
         finish_observing()

@@ -24,7 +24,7 @@ from cascade_ray.config.schema import LossConfig
 from cascade_ray.data.source import load_data
 from cascade_ray.errors import CascadeError
 from cascade_ray.models.cascade import build_cascade
-from cascade_ray.models.losses import DEFAULT_LOSS, build_loss
+from cascade_ray.models.losses import build_loss
 from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import load_numpy_state
@@ -100,7 +100,7 @@ def _quantizable_linears(model: nn.Module) -> tuple[set[str], int]:
 def _score(fn: Any, data: Any) -> float:
     """The headline test metric of `fn` on the test split: accuracy (class), mAP (multilabel), R² (regression)."""
     kind = data.target_kind
-    metrics = EvalMetrics(kind, data.out_width, build_loss(LossConfig(type=DEFAULT_LOSS[kind]), training=False))
+    metrics = EvalMetrics(kind, data.out_width, build_loss(LossConfig(), kind, training=False))
     for x, y in _batches(data):
         metrics.update(torch.as_tensor(fn(x)), y)
     return metrics.compute(lambda v: v)[HEADLINE_METRIC[kind]]

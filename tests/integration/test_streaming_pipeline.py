@@ -91,7 +91,14 @@ def test_a_streamed_pipeline_trains_every_stage_from_local_parquet(local_run, lo
     # the validation rows are the content-hash share, exactly as the scan counted them
     val = int(is_val_row(x, 0.2, 0).sum())
     assert any(f"train {len(x) - val}, val {val} (content-hash split)" in line for line in lines), lines[:5]
-    assert any("feature cache off: the data is streamed" in line for line in lines)
+    # the classifier trains on its frozen upstream's outputs, computed by Ray Data into shards
+    cache = summary["stages"][1]["feature_cache"]
+    assert cache["status"] == "computed" and cache["shape"][0] == 16 and len(cache["shape"]) == 3, cache
+    folder = Path(cache["path"])
+    meta = json.loads((folder / "_cache.json").read_text())
+    assert meta["rows"] == {"train": len(x) - val, "val": val} and meta["shape"] == cache["shape"]
+    assert list((folder / "train").glob("*.parquet")) and list((folder / "val").glob("*.parquet"))
+    assert not any("INFO logging_progress" in line for line in lines)
     for record in summary["stages"]:
         spec = read_manifest(Path(record["artifact"]) / "manifest.json").data_spec
         assert spec["streamed"] and spec["input_shape"] == [1, 8, 8] and spec["num_classes"] == 10
@@ -101,6 +108,21 @@ def test_a_streamed_pipeline_trains_every_stage_from_local_parquet(local_run, lo
         assert np.ravel(spec["std"]) == pytest.approx([train_rows.std()], rel=1e-5)
         history = record["history"]
         assert all(np.isfinite(e["val_loss"]) for e in history)
+
+
+def test_a_changed_downstream_stage_reads_the_stored_streamed_cache(local_run, local_data, tmp_path):
+    summary, _ = local_run
+    root, _, _ = local_data
+    storage = str(Path(summary["storage"]).parent)
+    cfg = _config(
+        tmp_path, str(root / "train"), str(root / "test.parquet"), storage, "stages.classifier.solver.lr=5e-3"
+    )
+    lines: list[str] = []
+    again = run_pipeline(cfg, RunOptions(resume=True), log=lines.append)
+    assert [s["status"] for s in again["stages"]] == ["reused", "trained"]
+    assert again["stages"][1]["feature_cache"]["status"] == "read", lines
+    assert again["stages"][1]["feature_cache"]["path"] == summary["stages"][1]["feature_cache"]["path"]
+    assert again["test_accuracy"] > 0.7
 
 
 def test_a_streamed_pipeline_reads_its_parquet_from_s3(s3, ray_session, local_data, tmp_path):
