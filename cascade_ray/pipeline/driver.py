@@ -127,7 +127,7 @@ def _run_locked(
         for line in check_resources(cfg, cluster):
             log(line)
         check_shared_storage(out, hosts=cluster.hosts, may_add_nodes=cluster.may_add_nodes, log=log)
-        data = _settle_streaming(cfg, data, runners, log)
+        data = _settle_streaming(cfg, data, log)
         stream = data if isinstance(data, StreamedData) else None
         session = StageSession(
             cfg,
@@ -246,10 +246,10 @@ def _job_env_vars() -> set[str]:
 
 
 def _settle_streaming(
-    cfg: PipelineConfig, data: DataSplits | StreamedData, runners: dict[str, StageRunner], log: Callable[[str], None]
+    cfg: PipelineConfig, data: DataSplits | StreamedData, log: Callable[[str], None]
 ) -> DataSplits | StreamedData:
     """After ``ray.init``: ``data.streaming: auto`` decides against the object store's size (loading
-    the data when it fits); streamed data must leave Ray Data its CPUs and is not swept (yet)."""
+    the data when it fits); streamed data must leave Ray Data its CPUs."""
     if not isinstance(data, StreamedData):
         return data
     if cfg.data.streaming == "auto":
@@ -260,16 +260,6 @@ def _settle_streaming(
         log(line)
         if not stream:
             return load_data(cfg.data, cfg.seed)
-    if runners:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    "data.streaming",
-                    f"Tune sweeps ({', '.join(runners)}) read in-memory data; streamed data cannot be swept yet",
-                    "sweep with data.streaming: false (e.g. on a data.train_size subset), then train streamed",
-                )
-            ]
-        )
     check_streaming_resources(cfg, float(ray.cluster_resources().get("CPU", 0.0)))
     return data
 

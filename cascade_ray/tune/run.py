@@ -71,6 +71,7 @@ def sweep_stage(
     """Run one stage's sweep on top of `upstream` (frozen, one object-store copy for all trials)."""
     exp_dir = session.out / "tune" / space.stage
     cache = session.feature_cache(session.cfg.stage_index(space.stage), upstream)  # one copy for every trial
+    streamed = session.stream is not None  # then every trial streams the data (or the streamed cache's shards)
     tuner = build_tuner(
         session.cfg,
         space,
@@ -79,8 +80,9 @@ def sweep_stage(
         upstream_ref=upstream.ref if upstream else None,
         exp_dir=exp_dir,
         resume=resume,
-        features_ref=cache.ref if cache else None,
+        features_ref=cache.ref if cache is not None and not streamed else None,
         options=session.options,
+        stream=(cache or session.stream) if streamed else None,
     )
     grid = tuner.fit()
     frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)

@@ -58,7 +58,9 @@ def max_concurrent(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> in
     """Trials that fit at once; an explicit value above that is an error."""
     stage = cfg.stages[cfg.stage_index(space.stage)]
     per_trial = {k: v * stage.scaling.num_workers for k, v in worker_resources(stage).items()}
-    total = ray.cluster_resources()
+    total = dict(ray.cluster_resources())
+    if cfg.data.streaming is not False:  # Ray Data's read tasks keep their CPUs (data.streaming_cpus)
+        total["CPU"] = total.get("CPU", 0.0) - cfg.data.streaming_cpus
     fits = min(math.floor(total.get(k, 0.0) / v) for k, v in per_trial.items() if v > 0)
     if fits < 1:
         raise ConfigError(
@@ -87,14 +89,15 @@ def _run_trial(
     refs: dict[str, Any],
     ray_dir: str,
     options: RunOptions,
+    stream: Any = None,
 ) -> None:
-    """One trial (runs in a Tune trial actor)."""
+    """One trial (runs in a Tune trial actor); `stream`: the streamed data or streamed cache it trains on."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     cfg = trial_config(validate_config(base, preflight=False), stage, config)
     index = cfg.stage_index(stage)
     trial_id = tune.get_context().get_trial_id()
-    data_ref, upstream_ref, features_ref = refs["data"], refs.get("upstream"), refs.get("features")
+    data_ref, upstream_ref, features_ref = refs.get("data"), refs.get("upstream"), refs.get("features")
     # Train run named after the trial: unique per trial, stable across a Tune restore
     run = as_storage(ray_dir) / f"trial-{trial_id}"
     fit_stage(
@@ -107,6 +110,7 @@ def _run_trial(
         callbacks=[TuneReportCallback()],
         features_ref=features_ref,
         options=options,
+        stream=stream,
     )
     _drain_tune_reports()
     # which object-store copies this trial read: the same ids for every trial, by design
@@ -179,12 +183,13 @@ def build_tuner(
     space: TuneSpace,
     *,
     space_file: str,
-    data_ref: ray.ObjectRef,
+    data_ref: ray.ObjectRef | None,
     upstream_ref: ray.ObjectRef | None,
     exp_dir: StorageDir,
     resume: bool,
     features_ref: ray.ObjectRef | None = None,
     options: RunOptions | None = None,
+    stream: Any = None,
 ) -> tune.Tuner:
     """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists); every trial
     reads the same data, upstream and (when the stage caches them) upstream-feature objects.
@@ -192,7 +197,7 @@ def build_tuner(
     Trials run with the run's log level; they have no progress board and are not profiled."""
     stage = cfg.stages[cfg.stage_index(space.stage)]
     refs = (
-        {"data": data_ref}
+        ({"data": data_ref} if data_ref is not None else {})
         | ({"upstream": upstream_ref} if upstream_ref is not None else {})
         | ({"features": features_ref} if features_ref is not None else {})
     )
@@ -203,6 +208,7 @@ def build_tuner(
         refs=refs,
         ray_dir=full_uri(exp_dir / "trials"),
         options=RunOptions(log_level=(options or RunOptions()).log_level),
+        stream=stream,
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     if resume and tune.Tuner.can_restore(full_uri(exp_dir / "tune")):

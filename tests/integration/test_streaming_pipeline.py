@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from cascade_ray import cli
 from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
 from cascade_ray.data.parquet import write_parquet
@@ -123,6 +124,42 @@ def test_a_changed_downstream_stage_reads_the_stored_streamed_cache(local_run, l
     assert again["stages"][1]["feature_cache"]["status"] == "read", lines
     assert again["stages"][1]["feature_cache"]["path"] == summary["stages"][1]["feature_cache"]["path"]
     assert again["test_accuracy"] > 0.7
+
+
+SPACE = """
+stage: classifier
+metric: val_accuracy
+mode: max
+num_samples: 2
+scheduler: {type: fifo}
+space:
+  solver.lr: {choice: [3.0e-3, 1.0e-2]}
+"""
+
+
+def test_a_sweep_of_a_stage_streams_the_cached_features_in_every_trial(ray_session, local_data, tmp_path, capsys):
+    root, _, _ = local_data
+    (tmp_path / "streamed.yaml").write_text(yaml.safe_dump(CONFIG))
+    (tmp_path / "space.yaml").write_text(SPACE)
+    args = [
+        "tune",
+        str(tmp_path / "streamed.yaml"),
+        "--space",
+        str(tmp_path / "space.yaml"),
+        f"data.path={root / 'train'}",
+        f"data.test_path={root / 'test.parquet'}",
+        f"storage_path={tmp_path / 'runs'}",
+        "stages.features.train.epochs=1",
+        "--log-level",
+        "warning",
+    ]
+    assert cli.main(args) == 0, capsys.readouterr().err[-3000:]
+    exp = tmp_path / "runs" / "streamed" / "tune" / "classifier"
+    assert (exp / "best.yaml").is_file() and (exp / "results.parquet").is_file()
+    trials = sorted(p.name for p in (exp / "trials").glob("trial-*"))
+    assert len(trials) == 2
+    # both trials read the same streamed cache shards (no in-memory copy of the data exists)
+    assert len(list((tmp_path / "runs" / "streamed" / "cache" / "classifier").glob("*/_cache.json"))) == 1
 
 
 def test_a_streamed_pipeline_reads_its_parquet_from_s3(s3, ray_session, local_data, tmp_path):
