@@ -24,7 +24,6 @@ import torch
 from cascade_ray.config.schema import DataConfig, PipelineConfig
 from cascade_ray.data.parquet import _resolve_files
 from cascade_ray.data.source import normalized_stats
-from cascade_ray.data.splits import DataInfo
 from cascade_ray.data.stream import ScanResult, input_array, scan_parquet, target_array
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.storage import redact
@@ -58,9 +57,6 @@ class StreamedData:
     @property
     def source(self) -> str:
         return f"parquet (streamed):{redact(str(self.cfg.path))}"
-
-    def info(self) -> DataInfo:
-        return DataInfo(self.input_shape, self.out_width, self.target_kind, self.n_train, self.mean, self.std)
 
     def spec(self) -> dict[str, Any]:
         """The manifest's ``data_spec`` (as :meth:`DataSplits.spec`)."""
