@@ -143,3 +143,20 @@ def test_missing_column_and_wrong_shape(tmp_path):
         scan_parquet(path, **(CLASS | {"target_column": "label", "target_kind": "class", "num_classes": 2}))
     with pytest.raises(DataError, match=r"shape \[2, 3\] needs 6; fix data.inputs.shape"):
         scan_parquet(path, **(CLASS | {"input_shape": [2, 3], "target_kind": "class", "num_classes": 2}))
+
+
+def test_write_parquet_row_groups_round_trip_and_scan(tmp_path):
+    """write_parquet's row groups: the default size, a given one, and the same rows either way."""
+    from cascade_ray.data.parquet import DEFAULT_ROW_GROUP_ROWS
+
+    x, y = _images(n=DEFAULT_ROW_GROUP_ROWS + 5)
+    write_parquet(tmp_path / "a" / "d.parquet", x, y, image_column="x", label_column="y")
+    write_parquet(tmp_path / "b" / "d.parquet", x, y, image_column="x", label_column="y", row_group_rows=1000)
+    assert pq.ParquetFile(tmp_path / "a" / "d.parquet").num_row_groups == 2
+    assert pq.ParquetFile(tmp_path / "b" / "d.parquet").num_row_groups == 5
+    back = pq.read_table(tmp_path / "b" / "d.parquet")
+    np.testing.assert_array_equal(np.stack(back["x"].to_numpy(zero_copy_only=False)).reshape(x.shape), x)
+    ra, rb = _scan(tmp_path / "a"), _scan(tmp_path / "b")
+    assert (ra.train_rows, ra.val_rows, ra.row_groups, rb.row_groups) == (rb.train_rows, rb.val_rows, 2, 5)
+    with pytest.raises(DataError, match="row_group_rows=0"):
+        write_parquet(tmp_path / "c.parquet", x, y, row_group_rows=0)
