@@ -312,17 +312,17 @@ def read_table(path: StorageDir, **kwargs) -> pa.Table:
     return pq.read_table(path, **kwargs)
 
 
-def write_table(table: pa.Table, path: StorageDir) -> None:
+def write_table(table: pa.Table, path: StorageDir, row_group_rows: int | None = None) -> None:
     """``pq.write_table`` to a local file (parents created; written to a temporary name and renamed
     into place, so a reader never sees half a file) or one on a pyarrow filesystem (an object
-    appears whole when its upload completes)."""
+    appears whole when its upload completes); `row_group_rows` rows per row group (None: pyarrow's)."""
     if isinstance(path, UriPath):
         with path.open("wb") as sink:
-            pq.write_table(table, sink)
+            pq.write_table(table, sink, row_group_size=row_group_rows)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
+    pq.write_table(table, tmp, row_group_size=row_group_rows)
     tmp.rename(path)
 
 

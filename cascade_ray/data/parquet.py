@@ -29,7 +29,7 @@ from cascade_ray.data.splits import (
     validate_splits,
 )
 from cascade_ray.errors import DataError
-from cascade_ray.storage import STORAGE_ACCESS_FIX, StorageDir, UriPath, as_storage, redact, resolve_files
+from cascade_ray.storage import STORAGE_ACCESS_FIX, UriPath, as_storage, redact, resolve_files, write_table
 
 # Rows per Parquet row group in write_parquet. One 60k-row group streamed 2.3x slower through the
 # local shuffle buffer than 4096-row groups (docs/benchmarks.md, streaming), and a scan task or a
@@ -313,18 +313,4 @@ def write_parquet(
     table = pa.table({input_column: inputs, target_column: targets})
     shape_json = json.dumps([int(d) for d in x.shape[1:]]).encode()
     table = table.replace_schema_metadata({SHAPE_METADATA_KEY: shape_json})
-    _write_table(table, as_storage(path, "path"), row_group_rows)
-
-
-def _write_table(table: pa.Table, path: StorageDir, row_group_rows: int) -> None:
-    """:func:`cascade_ray.storage.write_table` with a row group size (that one takes none): an
-    object appears whole when its upload completes; a local file is written to a temporary name
-    and renamed into place, so a reader never sees half a file."""
-    if isinstance(path, UriPath):
-        with path.open("wb") as sink:
-            pq.write_table(table, sink, row_group_size=row_group_rows)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, row_group_size=row_group_rows)
-    tmp.rename(path)
+    write_table(table, as_storage(path, "path"), row_group_rows)
