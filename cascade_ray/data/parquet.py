@@ -241,10 +241,6 @@ def load_parquet(
         x_all, y_all, train_size=train_size, val_fraction=val_fraction, seed=seed, stratify=target_kind == "class"
     )
     mean, std = input_stats(x_tr)
-    # A constant feature (a pixel that is always 0, a fixed tabular column) has std 0; like
-    # data.normalize auto and the streaming scan, divide by 1 so it normalizes to 0, rather
-    # than failing validate_splits for any data.normalize.
-    std[std == 0] = 1.0
     splits = DataSplits(
         x_train=x_tr,
         y_train=y_tr,

@@ -27,12 +27,7 @@ def load_data(cfg: DataConfig, seed: int) -> DataSplits:
         splits = load_parquet(
             cfg.path,
             test_path=cfg.test_path,
-            input_column=cfg.inputs.column,
-            target_column=cfg.target.column,
-            input_shape=cfg.inputs.shape,
-            target_kind=cfg.target.kind,
-            num_classes=cfg.target.num_classes,
-            target_dim=cfg.target.dim,
+            **parquet_columns(cfg),
             **common,
         )
     elif cfg.source == "fashion_mnist":
@@ -42,6 +37,18 @@ def load_data(cfg: DataConfig, seed: int) -> DataSplits:
     splits = normalized(splits, cfg)
     validate_splits(splits)
     return splits
+
+
+def parquet_columns(cfg: DataConfig) -> dict[str, object]:
+    """What `data.inputs` / `data.target` tell a Parquet reader (:func:`load_parquet`, the streaming scan)."""
+    return {
+        "input_column": cfg.inputs.column,
+        "target_column": cfg.target.column,
+        "input_shape": cfg.inputs.shape,
+        "target_kind": cfg.target.kind,
+        "num_classes": cfg.target.num_classes,
+        "target_dim": cfg.target.dim,
+    }
 
 
 def normalized(splits: DataSplits, cfg: DataConfig) -> DataSplits:
@@ -54,18 +61,15 @@ def normalized_stats(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The (mean, std) ``data.normalize`` asks for, given the training statistics `mean` / `std`.
 
-    ``auto`` keeps the per-channel / per-feature training statistics (a constant feature gets
-    std 1, so it normalizes to 0 instead of dividing by zero); ``none`` is mean 0, std 1;
+    ``auto`` keeps the per-channel / per-feature training statistics; ``none`` is mean 0, std 1;
     explicit ``{mean, std}`` lists hold one value per channel / feature (or one for all).
 
     Raises:
         DataError: explicit statistics of the wrong length.
     """
     norm = cfg.normalize
-    if norm == "auto":
-        std = np.asarray(std, dtype=np.float32).copy()
-        std[std == 0] = 1.0
-        return np.asarray(mean, dtype=np.float32), std
+    if norm == "auto":  # a constant feature already has std 1 (input_stats, the streaming scan)
+        return np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
     if norm == "none":
         return np.zeros((), np.float32), np.ones((), np.float32)
     shape = stats_shape(input_shape)

@@ -169,7 +169,8 @@ def input_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     `x` is (N, *row_shape). Rows are read in chunks (no float copy of the split), and chunks
     merge with Chan's parallel update, which stays accurate when values are large relative
-    to their spread. Returns float32 arrays shaped :func:`stats_shape`.
+    to their spread. Returns float32 arrays shaped :func:`stats_shape`; a constant channel or
+    feature gets std 1 (as in the streaming scan), so it normalizes to 0.
     """
     if len(x) == 0:
         raise DataError("cannot compute input statistics of an empty training split")
@@ -190,7 +191,9 @@ def input_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = total
     assert mean is not None and m2 is not None
     shape = stats_shape(row)
-    return mean.astype(np.float32).reshape(shape), np.sqrt(m2 / n).astype(np.float32).reshape(shape)
+    std = np.sqrt(m2 / n).astype(np.float32)
+    std[std == 0] = 1.0  # a constant feature (an always-0 pixel, a fixed column) normalizes to 0
+    return mean.astype(np.float32).reshape(shape), std.reshape(shape)
 
 
 def _check_fraction(name: str, value: float) -> None:

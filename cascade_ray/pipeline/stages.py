@@ -161,29 +161,21 @@ class StageSession:
             for p in require_plans(self.cfg, self.input_shape, self.out_width)
             if p.name == self.cfg.stages[index].name
         )
-        if self.stream is not None:  # computed by Ray Data, stored as shards, streamed back
-            cache = prepare_streamed_cache(
-                self.cfg,
-                index,
-                out=self.out,
-                stream=self.stream,
-                in_shape=plan.in_shape,
-                upstream=upstream,
-                previous=self.cache_of(index - 1),
-                log=self.log,
-            )
-            self.newest_cache = (index, cache) if cache is not None else None
-            return cache
-        cache = prepare_feature_cache(
+        # streamed data: computed by Ray Data, stored as shards, streamed back; else in the object store
+        prepare, rows = (
+            (prepare_streamed_cache, {"stream": self.stream})
+            if self.stream is not None
+            else (prepare_feature_cache, {"data_ref": self.data_ref, "sizes": self.split_sizes})
+        )
+        cache = prepare(
             self.cfg,
             index,
             out=self.out,
-            data_ref=self.data_ref,
-            sizes=self.split_sizes,
             in_shape=plan.in_shape,
             upstream=upstream,
             previous=self.cache_of(index - 1),
             log=self.log,
+            **rows,
         )
         self.newest_cache = (index, cache) if cache is not None else None
         return cache

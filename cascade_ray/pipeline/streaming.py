@@ -23,7 +23,7 @@ import torch
 
 from cascade_ray.config.schema import DataConfig, PipelineConfig
 from cascade_ray.data.parquet import _resolve_files
-from cascade_ray.data.source import normalized_stats
+from cascade_ray.data.source import normalized_stats, parquet_columns
 from cascade_ray.data.stream import ScanResult, input_array, scan_parquet, target_array
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.storage import redact
@@ -151,12 +151,7 @@ def scan_data(cfg: PipelineConfig) -> StreamedData:
     data = cfg.data
     scan = scan_parquet(
         data.path,
-        input_column=data.inputs.column,
-        input_shape=data.inputs.shape,
-        target_column=data.target.column,
-        target_kind=data.target.kind,
-        num_classes=data.target.num_classes,
-        target_dim=data.target.dim,
+        **parquet_columns(data),
         val_fraction=data.val_fraction,
         seed=cfg.seed,
     )
