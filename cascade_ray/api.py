@@ -1,15 +1,19 @@
 """The Python API: what notebooks, services and the two doors (CLI, pipeline script) call.
 
-from cascade_ray.api import RunOptions, load_config, run_pipeline
+from cascade_ray.api import load_cascade, predict, run_pipeline
 
-cfg = load_config("pipelines/configs/debug.yaml", ["stages.encoder.train.epochs=1"])
-summary = run_pipeline(cfg, RunOptions(resume=True))
-print(summary["test_accuracy"])
+run = run_pipeline("pipelines/configs/debug.yaml", storage_path="/tmp/runs", stages__encoder__train__epochs=1)
+print(run["test_accuracy"], [s["status"] for s in run.stages])
+cascade = run.model()                      # or load_cascade("/tmp/runs/debug"), also s3:// / gs://
+out = cascade.predict(images)              # {"prediction": ..., "probabilities": ...}
+predict("/tmp/runs/debug", "new.parquet", "predictions.parquet")   # Ray Data, on the cluster
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from cascade_ray.checks import load_config, validate_config
@@ -18,10 +22,63 @@ from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline import driver
 from cascade_ray.pipeline.stages import StageRunner
+from cascade_ray.tools.inference import Cascade, InputError, load_cascade
 from cascade_ray.tune.run import SweepRunner
 from cascade_ray.tune.space import load_space
 
-__all__ = ["RunOptions", "load_config", "run_pipeline", "stage_runners", "validate_config"]
+__all__ = [
+    "Cascade",
+    "InputError",
+    "Run",
+    "RunOptions",
+    "load_cascade",
+    "load_config",
+    "run_pipeline",
+    "stage_runners",
+    "validate_config",
+]
+
+
+class Run(Mapping[str, Any]):
+    """A finished (or ``stop_after``) pipeline run: its summary, read like the ``summary.json`` dict.
+
+    ``run["test_accuracy"]``, ``run.stages`` (one record per stage: status, metrics, artifact,
+    fingerprint, ...), ``run.run_dir`` and ``run.model()`` (the trained cascade, loaded from the
+    run's files).
+    """
+
+    def __init__(self, summary: dict[str, Any]):
+        self.summary = summary
+
+    def __getitem__(self, key: str) -> Any:
+        return self.summary[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.summary)
+
+    def __len__(self) -> int:
+        return len(self.summary)
+
+    def __repr__(self) -> str:
+        stages = ", ".join(f"{s['name']} {s['status']}" for s in self.stages)
+        return f"Run({self.run_dir}: {stages})"
+
+    @property
+    def stages(self) -> list[dict[str, Any]]:
+        """One record per stage that ran, in pipeline order."""
+        return list(self.summary["stages"])
+
+    @property
+    def run_dir(self) -> str:
+        """``{storage_path}/{name}``: where the run's artifacts are."""
+        return str(self.summary["storage"])
+
+    def model(self, stage: str | None = None, device: str | None = None) -> Cascade:
+        """The trained cascade up to the last stage (or `stage`), from the run's own files."""
+        if stage is None and "test_loss" not in self.summary:  # a stop_after run has no summary.json
+            stage = self.stages[-1]["name"]
+            return load_cascade(f"{self.run_dir}/stages/{stage}", device=device)
+        return load_cascade(self.run_dir, stage=stage, device=device)
 
 
 def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRunner]:
@@ -38,18 +95,51 @@ def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRu
     return runners
 
 
+def _override_items(overrides: Mapping[str, Any]) -> list[str]:
+    """Keyword overrides as ``key=value`` items: ``__`` separates keys (``stages__encoder__train__epochs``);
+    values are written as JSON, which the override parser reads as YAML."""
+    return [f"{key.replace('__', '.')}={json.dumps(value)}" for key, value in overrides.items()]
+
+
+def as_config(config: PipelineConfig | str | Path | Mapping[str, Any], **overrides: Any) -> PipelineConfig:
+    """A validated config from a YAML path, a mapping or a config, with keyword overrides applied."""
+    items = _override_items(overrides)
+    if isinstance(config, (str, Path)):
+        return load_config(config, items)
+    from cascade_ray.config.yaml_io import apply_overrides
+
+    raw = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else dict(config)
+    if isinstance(config, PipelineConfig) and not items:
+        return config
+    issues = apply_overrides(raw, items)
+    return validate_config(raw, source="api", issues=issues)
+
+
 def run_pipeline(
-    cfg: PipelineConfig, options: RunOptions | None = None, *, log: Callable[[str], None] = print
-) -> dict[str, Any]:
+    config: PipelineConfig | str | Path | Mapping[str, Any],
+    options: RunOptions | None = None,
+    *,
+    log: Callable[[str], None] = print,
+    **overrides: Any,
+) -> Run:
     """Train (and, for stages in ``options.spaces``, sweep) every stage, then evaluate the composed model.
 
+    Args:
+        config: a YAML path, a config mapping or a validated :class:`PipelineConfig`.
+        options: how the run behaves (cluster address, resume, sweeps, ...).
+        log: where progress lines go.
+        **overrides: config overrides, ``__`` between keys: ``seed=3``,
+            ``stages__encoder__solver__lr=3e-4`` (a stage by name or index).
+
     Returns:
-        The run summary (also written to ``{storage_path}/{name}/summary.json`` for full runs).
+        The :class:`Run`: the summary (also written to ``{storage_path}/{name}/summary.json``
+        for full runs) and ``.model()``.
 
     Raises:
-        ConfigError: bad options or search spaces (before Ray starts), or resources the
-            cluster does not have.
+        ConfigError: a bad config, options or search spaces (before Ray starts), or
+            resources the cluster does not have.
         CascadeError: a stage failed (earlier stages' artifacts stay, ``resume`` reuses them).
     """
+    cfg = as_config(config, **overrides)
     options = options or RunOptions()
-    return driver.run_pipeline(cfg, options, runners=stage_runners(cfg, options), log=log)
+    return Run(driver.run_pipeline(cfg, options, runners=stage_runners(cfg, options), log=log))

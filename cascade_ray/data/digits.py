@@ -62,6 +62,7 @@ def load_digits(*, train_size: int | None, val_fraction: float, seed: int, test_
         mean=mean,
         std=std,
         source="sklearn:digits",
+        class_names=tuple(str(d) for d in range(NUM_CLASSES)),
     )
     validate_splits(splits)
     return splits

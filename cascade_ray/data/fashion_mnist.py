@@ -23,6 +23,19 @@ from cascade_ray.errors import DataError
 
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 NUM_CLASSES = 10
+# the data set's label names, index order (Zalando's README)
+CLASS_NAMES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 
 _IMAGES_MAGIC = 2051  # 0x00000803: unsigned bytes, 3 dimensions
 _LABELS_MAGIC = 2049  # 0x00000801: unsigned bytes, 1 dimension
@@ -140,6 +153,7 @@ def load_fashion_mnist(
         mean=mean,
         std=std,
         source=f"fashion-mnist:{root}",
+        class_names=CLASS_NAMES,
     )
     validate_splits(splits)
     return splits

@@ -20,7 +20,7 @@ TARGET_KINDS = ("class", "multilabel", "regression")
 # Rows per chunk when computing statistics: a float64 copy of a few thousand rows, never of the split.
 _STATS_CHUNK_ROWS = 4096
 
-ArrayDict = dict[str, np.ndarray | int | float | str]
+ArrayDict = dict[str, np.ndarray | int | float | str | tuple[str, ...] | None]
 
 
 # eq=False: comparing numpy arrays with == is ambiguous, and identity is what matters.
@@ -44,6 +44,8 @@ class DataSplits:
         num_classes: the output width: classes (class, multilabel) or regression outputs.
         target_kind: ``class``, ``multilabel`` or ``regression``.
         source: where the data came from, for logs; not part of the fingerprint.
+        class_names: names of the classes in index order (class targets of a named data set),
+            for predictions and reports; not part of the fingerprint.
     """
 
     x_train: np.ndarray
@@ -57,6 +59,7 @@ class DataSplits:
     std: np.ndarray
     source: str
     target_kind: str = "class"
+    class_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # statistics are float32 arrays whatever they were given as (a float is a () array)
@@ -90,6 +93,7 @@ class DataSplits:
             "mean": np.asarray(self.mean, dtype=np.float64).tolist(),
             "std": np.asarray(self.std, dtype=np.float64).tolist(),
             "stats_shape": list(np.shape(self.mean)),
+            "class_names": list(self.class_names) if self.class_names else None,
         }
 
     def fingerprint(self) -> str:
@@ -136,6 +140,7 @@ class DataSplits:
             num_classes=int(d["num_classes"]),
             target_kind=str(d["target_kind"]),
             source=str(d["source"]),
+            class_names=tuple(d["class_names"]) if d.get("class_names") else None,
         )
 
 

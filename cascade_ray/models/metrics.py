@@ -123,3 +123,21 @@ def _binned_map(pos: torch.Tensor, neg: torch.Tensor) -> float:
         return math.nan
     ap = (precision * pos.flip(1)).sum(1)[has] / positives[has]
     return float(ap.mean())
+
+
+def output_predictions(out: torch.Tensor, kind: str) -> torch.Tensor:
+    """Predictions from raw outputs: the argmax class, the flags with probability >= 0.5, or the values."""
+    if kind == "class":
+        return out.argmax(1)
+    if kind == "multilabel":
+        return (torch.sigmoid(out) >= 0.5).to(torch.float32)
+    return out.float()
+
+
+def output_probabilities(out: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """Class probabilities (softmax), per-label probabilities (sigmoid), or None for regression."""
+    if kind == "class":
+        return torch.softmax(out.float(), dim=1)
+    if kind == "multilabel":
+        return torch.sigmoid(out.float())
+    return None

@@ -29,7 +29,7 @@ from cascade_ray.errors import ConfigError, ConfigIssue, RunFinishedError
 from cascade_ray.logs import install_worker_filter, ray_logging_level
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.losses import build_loss
-from cascade_ray.models.metrics import EvalMetrics
+from cascade_ray.models.metrics import EvalMetrics, output_predictions
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
@@ -303,21 +303,12 @@ def evaluate_composed(cfg: PipelineConfig, data: DataSplits | StreamedData, stat
         out = model(x, heads=[head])[head]
         metrics.update(out, y)
         labels.append(y)
-        predictions.append(predict(out, data.target_kind))
+        predictions.append(output_predictions(out, data.target_kind))
     return {
         "metrics": metrics.compute(lambda v: v),
         "labels": torch.cat(labels).numpy(),
         "predictions": torch.cat(predictions).numpy(),
     }
-
-
-def predict(out: torch.Tensor, kind: str) -> torch.Tensor:
-    """Predictions from raw outputs: the argmax class, the flags with probability >= 0.5, or the values."""
-    if kind == "class":
-        return out.argmax(1)
-    if kind == "multilabel":
-        return (torch.sigmoid(out) >= 0.5).to(torch.float32)
-    return out.float()
 
 
 _SHOWN = ("val_accuracy", "val_map", "val_micro_f1", "val_r2", "val_mae", "val_loss", "train_loss")

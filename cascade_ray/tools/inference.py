@@ -1,0 +1,292 @@
+"""Use a finished run: its composed model rebuilt from the run's own files, the preprocessing, predictions.
+
+from cascade_ray.api import load_cascade
+
+cascade = load_cascade("~/cascade-ray-runs/debug")  # or s3://bucket/runs/debug, or a stage artifact
+out = cascade.predict(images)  # {"prediction": (N,) classes, "probabilities": (N, K)}
+logits = cascade.module(cascade.preprocess(images))  # the torchvision idiom: model(preprocess(x))
+
+Loading reads ``{run}/config.yaml`` (which modules to build), ``{run}/summary.json`` (which
+stage is last) and the stage artifact (weights, verified against the manifest's sha256 and
+per-tensor digests). What the model takes and predicts — input shape, normalization, target
+kind, output width, class names — comes from the manifest's ``data_spec``: the training
+data is never read. ``stages[i].pretrained`` files are not needed either: the artifact holds
+the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+
+from cascade_ray.checks import validate_config
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import ArtifactError, CascadeError
+from cascade_ray.models.cascade import CascadeModel, build_cascade
+from cascade_ray.models.metrics import output_predictions, output_probabilities
+from cascade_ray.models.plan import require_plans
+from cascade_ray.models.weights import load_numpy_state
+from cascade_ray.pipeline.artifacts import MANIFEST, read_artifact
+from cascade_ray.pipeline.outputs import CONFIG_FILE
+from cascade_ray.pipeline.records import RunSummary, read_summary
+from cascade_ray.storage import StorageDir, as_storage
+
+SUMMARY_FILE = "summary.json"
+PREDICT_BATCH_ROWS = 1024
+
+
+class InputError(CascadeError, ValueError):
+    """Inputs that do not fit the model (shape, type, non-finite values); the message says what fits."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a trained cascade takes and predicts (a manifest's ``data_spec``)."""
+
+    input_shape: tuple[int, ...]
+    target_kind: str
+    out_width: int
+    mean: np.ndarray
+    std: np.ndarray
+    class_names: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_manifest(cls, spec: Mapping[str, Any] | None, where: str) -> InputSpec:
+        """The spec of a manifest's ``data_spec``; :class:`ArtifactError` when it is absent or incomplete."""
+        if not spec:
+            raise ArtifactError(
+                f"{where}: the manifest has no data_spec (written by a version before it existed); "
+                "retrain the run with this version to use it without its training data"
+            )
+        try:
+            shape = tuple(int(d) for d in spec["input_shape"])
+            stats = tuple(int(d) for d in spec["stats_shape"])
+            mean = np.asarray(spec["mean"], dtype=np.float32).reshape(stats)
+            std = np.asarray(spec["std"], dtype=np.float32).reshape(stats)
+            names = spec.get("class_names")
+            return cls(
+                shape, str(spec["target_kind"]), int(spec["num_classes"]), mean, std, tuple(names) if names else None
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ArtifactError(f"{where}: data_spec is malformed ({exc!r}); retrain the stage") from None
+
+    def describe(self) -> str:
+        """e.g. ``inputs (1, 8, 8) -> class, 10 outputs``."""
+        return f"inputs {self.input_shape} -> {self.target_kind}, {self.out_width} outputs"
+
+
+class LastHead(nn.Module):
+    """The composed cascade, returning the last stage's head output as one tensor (normalized inputs)."""
+
+    def __init__(self, cascade: CascadeModel):
+        super().__init__()
+        self.cascade = cascade
+        self.head = cascade.order[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cascade(x, heads=[self.head])[self.head]
+
+
+class Composed(nn.Module):
+    """Raw inputs -> the run's normalization -> every stage in order -> the last head's outputs.
+
+    What ``export`` writes and ``serve`` runs: the preprocessing travels with the weights.
+    """
+
+    def __init__(self, module: LastHead, mean: np.ndarray, std: np.ndarray):
+        super().__init__()
+        self.module = module
+        # per channel (C, 1, 1), per feature (D,) or one value: broadcast to an input row
+        self.register_buffer("mean", torch.as_tensor(np.asarray(mean, dtype=np.float32)))
+        self.register_buffer("std", torch.as_tensor(np.asarray(std, dtype=np.float32)))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.module((inputs - self.mean) / self.std)
+
+
+class Cascade:
+    """A trained cascade, ready to predict.
+
+    Attributes:
+        module: the composed model (normalized inputs -> the last head's outputs), eval mode.
+        composed: the same with the normalization inside (raw inputs -> outputs).
+        spec: input shape, target kind, output width, statistics and class names.
+        cfg: the run's resolved config; `stage`: the stage whose head predicts; `run`: the run folder.
+    """
+
+    def __init__(self, cfg: PipelineConfig, stage: str, spec: InputSpec, cascade: CascadeModel, run: StorageDir):
+        self.cfg, self.stage, self.spec, self.run = cfg, stage, spec, run
+        self.module = LastHead(cascade).eval()
+        self.composed = Composed(self.module, spec.mean, spec.std).eval()
+
+    def __repr__(self) -> str:
+        return f"Cascade({self.run}, stage {self.stage!r}: {self.spec.describe()})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.composed.mean.device
+
+    def to(self, device: str | torch.device) -> Cascade:
+        """Move the model (in place) to `device`; returns self."""
+        self.composed.to(device)
+        return self
+
+    def check_inputs(self, inputs: Any) -> torch.Tensor:
+        """`inputs` as a float32 tensor of shape (N, *input_shape) on CPU, or :class:`InputError`.
+
+        Takes a numpy array, a tensor or nested lists; one row without the batch axis, and flat
+        rows of ``prod(input_shape)`` values, are accepted too.
+        """
+        shape = self.spec.input_shape
+        try:
+            if isinstance(inputs, torch.Tensor):
+                x = inputs.detach().cpu()
+            else:
+                array = np.asarray(inputs)
+                if array.dtype == object or not (
+                    np.issubdtype(array.dtype, np.number) or np.issubdtype(array.dtype, np.bool_)
+                ):
+                    raise InputError(
+                        f"inputs must be numbers shaped (N, {', '.join(map(str, shape))}); "
+                        f"got {'ragged or mixed values' if array.dtype == object else array.dtype}"
+                    )
+                x = torch.from_numpy(np.ascontiguousarray(array))
+        except (TypeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, InputError):
+                raise
+            why = "rows of different lengths" if "inhomogeneous" in str(exc) else str(exc)[:120]
+            raise InputError(f"inputs are not an array of numbers ({why})") from None
+        if x.is_complex():
+            raise InputError("inputs are complex numbers; the model takes real values")
+        x = x.float()
+        size = int(np.prod(shape))
+        if tuple(x.shape) == shape:
+            x = x.unsqueeze(0)
+        elif x.ndim == 2 and len(shape) > 1 and x.shape[1] == size:
+            x = x.reshape(-1, *shape)
+        if tuple(x.shape[1:]) != shape:
+            raise InputError(
+                f"inputs have shape {tuple(x.shape)}; the model takes (N, {', '.join(map(str, shape))}) "
+                f"(or flat rows of {size} values)"
+            )
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise InputError("inputs contain NaN or infinite values")
+        return x
+
+    def preprocess(self, inputs: Any) -> torch.Tensor:
+        """Checked, normalized inputs on the model's device: what :attr:`module` takes."""
+        x = self.check_inputs(inputs).to(self.device)
+        return (x - self.composed.mean) / self.composed.std
+
+    @torch.inference_mode()
+    def outputs(self, inputs: Any, batch_rows: int = PREDICT_BATCH_ROWS) -> torch.Tensor:
+        """The last head's raw outputs (logits, or values) for `inputs`, on CPU, in batches."""
+        x = self.check_inputs(inputs)
+        chunks = [
+            self.composed(x[i : i + batch_rows].to(self.device)).float().cpu() for i in range(0, len(x), batch_rows)
+        ]
+        return torch.cat(chunks) if chunks else torch.empty(0, self.spec.out_width)
+
+    def predict(self, inputs: Any, batch_rows: int = PREDICT_BATCH_ROWS) -> dict[str, np.ndarray]:
+        """Predictions for `inputs`.
+
+        Returns:
+            ``prediction``: class indices (N,) int64 (class), 0/1 flags (N, K) int64
+            (multilabel), or values (N, D) float32 (regression; (N,) when D is 1);
+            ``probabilities``: (N, K) float32 softmax (class) or sigmoid (multilabel) outputs;
+            absent for regression.
+        """
+        return prediction_columns(self.outputs(inputs, batch_rows), self.spec.target_kind)
+
+    def label_names(self, prediction: np.ndarray) -> list[str] | None:
+        """Class names of predicted class indices, or None when the data set has no names."""
+        if self.spec.class_names is None or self.spec.target_kind != "class":
+            return None
+        return [self.spec.class_names[int(i)] for i in prediction]
+
+
+def prediction_columns(out: torch.Tensor, kind: str) -> dict[str, np.ndarray]:
+    """``prediction`` (and ``probabilities`` for class kinds) of raw outputs, as numpy arrays."""
+    prediction = output_predictions(out, kind).numpy()
+    if kind != "regression":  # class indices, multilabel 0/1 flags
+        prediction = prediction.astype(np.int64)
+    elif prediction.ndim == 2 and prediction.shape[1] == 1:
+        prediction = prediction[:, 0]
+    columns = {"prediction": prediction}
+    probabilities = output_probabilities(out, kind)
+    if probabilities is not None:
+        columns["probabilities"] = probabilities.numpy().astype(np.float32)
+    return columns
+
+
+def resolve_run(location: str | StorageDir) -> tuple[StorageDir, str | None]:
+    """The run folder of `location` (a run, or one of its stage artifacts) and the stage it names, if any."""
+    path = as_storage(location, "run")
+    if (path / MANIFEST).is_file():  # {run}/stages/<stage>
+        return path.parent.parent, path.name
+    return path, None
+
+
+def read_run_config(run: StorageDir) -> PipelineConfig:
+    """The run's resolved ``config.yaml``, validated without touching what it trained from.
+
+    ``pretrained`` files are dropped (the artifact holds the weights) and the shape preflight
+    is skipped (the manifest's input shape drives the plan), so the config loads on a
+    machine that has neither the pretrained files nor the data.
+    """
+    file = run / CONFIG_FILE
+    if not file.is_file():
+        raise CascadeError(f"{run} is not a finished run (no {CONFIG_FILE}): pass {{storage_path}}/{{name}}")
+    raw = yaml.safe_load(file.read_text())
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{file}: not a mapping; the run's config is damaged")
+    for stage in raw.get("stages") or []:
+        if isinstance(stage, dict):
+            stage.pop("pretrained", None)
+    return validate_config(raw, source=str(file), preflight=False)
+
+
+def run_summary(run: StorageDir) -> RunSummary:
+    """The run's validated ``summary.json``, or a :class:`CascadeError` saying the run is not finished."""
+    if not (run / SUMMARY_FILE).is_file():
+        raise CascadeError(
+            f"{run} is not a finished run (no {SUMMARY_FILE}): pass {{storage_path}}/{{name}} of a run that "
+            "completed, or a stage artifact folder {run}/stages/<stage>"
+        )
+    return read_summary(run / SUMMARY_FILE)
+
+
+def load_cascade(location: str | StorageDir, stage: str | None = None, device: str | None = None) -> Cascade:
+    """The trained cascade of a run, up to its last stage (or `stage`).
+
+    Args:
+        location: ``{storage_path}/{name}`` (local folder or ``s3://`` / ``gs://`` URI), or a
+            stage artifact folder ``{run}/stages/<stage>``.
+        stage: the stage whose head predicts (default: the folder's stage, else the run's last).
+        device: where the model runs (default cpu).
+
+    Raises:
+        CascadeError: not a finished run, or no such stage.
+        ArtifactError: damaged files (a weights hash or tensor digest that does not match).
+    """
+    run, named = resolve_run(location)
+    cfg = read_run_config(run)
+    stage = stage or named or run_summary(run).stages[-1].name
+    names = [s.name for s in cfg.stages]
+    if stage not in names:
+        from cascade_ray.text import did_you_mean
+
+        raise CascadeError(f"{run}: no stage {stage!r}{did_you_mean(stage, names)} (stages: {', '.join(names)})")
+    artifact, state = read_artifact(run / "stages" / stage)
+    spec = InputSpec.from_manifest(artifact.manifest.data_spec, str(artifact.path / MANIFEST))
+    plans = require_plans(cfg, spec.input_shape, spec.out_width)
+    cascade = build_cascade(cfg, plans, spec.out_width, upto=cfg.stage_index(stage))
+    load_numpy_state(cascade, state)
+    model = Cascade(cfg, stage, spec, cascade, run)
+    return model.to(device) if device else model
