@@ -69,3 +69,45 @@ def s3(tmp_path_factory):
             else:
                 os.environ[key] = value
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A finished debug run (1 epoch per stage) for the tools that use one (predict, serve, export,
+    load_cascade): trained once per test session by the real CLI in a subprocess with its own
+    embedded Ray, which exits before the modules' own Ray sessions start."""
+    import subprocess
+
+    storage = tmp_path_factory.mktemp("trained")
+    overrides = [f"storage_path={storage}"] + [f"stages[{i}].train.epochs=1" for i in range(3)]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cascade_ray.cli",
+            "run",
+            str(CONFIGS / "debug.yaml"),
+            *overrides,
+            "--log-level",
+            "warning",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = storage / "debug"
+    assert (run / "summary.json").is_file()
+    return run
+
+
+@pytest.fixture
+def trained_run_s3(s3, trained_run):
+    """`trained_run` copied to the moto S3 server: ``s3://cascade/runs/<n>/debug`` (a fresh prefix per test)."""
+    import uuid
+
+    import pyarrow.fs as pafs
+
+    uri = f"s3://{s3.bucket}/runs/{uuid.uuid4().hex[:8]}/debug"
+    pafs.copy_files(str(trained_run), uri.removeprefix("s3://"), destination_filesystem=s3.filesystem())
+    return uri
