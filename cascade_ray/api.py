@@ -47,8 +47,8 @@ class Run(Mapping[str, Any]):
     run's files).
     """
 
-    def __init__(self, summary: dict[str, Any]):
-        self.summary = summary
+    def __init__(self, summary: dict[str, Any], cfg: PipelineConfig):
+        self.summary, self.cfg = summary, cfg
 
     def __getitem__(self, key: str) -> Any:
         return self.summary[key]
@@ -75,10 +75,11 @@ class Run(Mapping[str, Any]):
 
     def model(self, stage: str | None = None, device: str | None = None) -> Cascade:
         """The trained cascade up to the last stage (or `stage`), from the run's own files."""
-        if stage is None and "test_loss" not in self.summary:  # a stop_after run has no summary.json
-            stage = self.stages[-1]["name"]
-            return load_cascade(f"{self.run_dir}/stages/{stage}", device=device)
-        return load_cascade(self.run_dir, stage=stage, device=device)
+        if "test_loss" in self.summary:  # a full run: its config.yaml has the swept values too
+            return load_cascade(self.run_dir, stage=stage, device=device)
+        # a stop_after run writes no config.yaml or summary.json: the last stage that ran predicts
+        stage = stage or self.stages[-1]["name"]
+        return load_cascade(f"{self.run_dir}/stages/{stage}", device=device, cfg=self.cfg)
 
 
 def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRunner]:
@@ -96,9 +97,16 @@ def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRu
 
 
 def _override_items(overrides: Mapping[str, Any]) -> list[str]:
-    """Keyword overrides as ``key=value`` items: ``__`` separates keys (``stages__encoder__train__epochs``);
-    values are written as JSON, which the override parser reads as YAML."""
-    return [f"{key.replace('__', '.')}={json.dumps(value)}" for key, value in overrides.items()]
+    """Keyword overrides as ``key=value`` items: ``__`` separates keys (``stages__encoder__train__epochs``,
+    ``stages__0__solver__lr`` for an index); values are written as JSON, which the override parser reads
+    as YAML."""
+    items = []
+    for key, value in overrides.items():
+        path = ""
+        for part in key.split("__"):
+            path += f"[{part}]" if part.isdigit() else f".{part}" if path else part
+        items.append(f"{path}={json.dumps(value)}")
+    return items
 
 
 def as_config(config: PipelineConfig | str | Path | Mapping[str, Any], **overrides: Any) -> PipelineConfig:
@@ -142,4 +150,5 @@ def run_pipeline(
     """
     cfg = as_config(config, **overrides)
     options = options or RunOptions()
-    return Run(driver.run_pipeline(cfg, options, runners=stage_runners(cfg, options), log=log))
+    summary = driver.run_pipeline(cfg, options, runners=stage_runners(cfg, options), log=log)
+    return Run(summary, cfg)

@@ -262,7 +262,13 @@ def run_summary(run: StorageDir) -> RunSummary:
     return read_summary(run / SUMMARY_FILE)
 
 
-def load_cascade(location: str | StorageDir, stage: str | None = None, device: str | None = None) -> Cascade:
+def load_cascade(
+    location: str | StorageDir,
+    stage: str | None = None,
+    device: str | None = None,
+    *,
+    cfg: PipelineConfig | None = None,
+) -> Cascade:
     """The trained cascade of a run, up to its last stage (or `stage`).
 
     Args:
@@ -270,13 +276,15 @@ def load_cascade(location: str | StorageDir, stage: str | None = None, device: s
             stage artifact folder ``{run}/stages/<stage>``.
         stage: the stage whose head predicts (default: the folder's stage, else the run's last).
         device: where the model runs (default cpu).
+        cfg: the run's config, when the caller has it (a ``stop_after`` run writes no
+            ``config.yaml``); default: read ``{run}/config.yaml``.
 
     Raises:
         CascadeError: not a finished run, or no such stage.
         ArtifactError: damaged files (a weights hash or tensor digest that does not match).
     """
     run, named = resolve_run(location)
-    cfg = read_run_config(run)
+    cfg = cfg or read_run_config(run)
     stage = stage or named or run_summary(run).stages[-1].name
     names = [s.name for s in cfg.stages]
     if stage not in names:

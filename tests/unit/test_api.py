@@ -27,3 +27,17 @@ def test_the_driver_refuses_a_runner_for_a_stage_it_does_not_have(monkeypatch):
     monkeypatch.setattr(driver, "load_data", lambda *a: pytest.fail("data loaded before the runners were checked"))
     with pytest.raises(ConfigError, match="no stage 'encodr'"):
         driver.run_pipeline(cfg, RunOptions(), runners={"encodr": lambda *a: None}, log=lambda _: None)
+
+
+def test_keyword_overrides_use_double_underscores_and_reach_the_schema():
+    from cascade_ray.api import as_config
+
+    cfg = as_config(CONFIGS / "debug.yaml", seed=7, stages__encoder__solver__lr=3e-4, stages__0__train__epochs=1)
+    assert cfg.seed == 7 and cfg.stages[1].solver.lr == 3e-4 and cfg.stages[0].train.epochs == 1
+    again = as_config(cfg, storage_path="/tmp/elsewhere")  # a validated config takes overrides too
+    assert again.storage_path == "/tmp/elsewhere" and again.seed == 7
+    assert as_config(cfg) is cfg
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.solver\.lr"):
+        as_config(CONFIGS / "debug.yaml", stages__encoder__solver__lr="fast")
+    with pytest.raises(ConfigError, match="sede"):
+        as_config(cfg.model_dump(mode="json"), sede=1)

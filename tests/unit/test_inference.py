@@ -1,0 +1,80 @@
+"""Inputs a trained cascade accepts, and its prediction columns (no Ray, no run needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from paths import CONFIGS
+
+from cascade_ray.api import load_config
+from cascade_ray.errors import ArtifactError
+from cascade_ray.models.cascade import build_cascade
+from cascade_ray.models.plan import require_plans
+from cascade_ray.tools.inference import Cascade, InputError, InputSpec, prediction_columns
+
+SPEC = {
+    "input_shape": [1, 8, 8],
+    "target_kind": "class",
+    "num_classes": 10,
+    "mean": [[[4.5]]],
+    "std": [[[6.0]]],
+    "stats_shape": [1, 1, 1],
+    "class_names": [str(i) for i in range(10)],
+}
+
+
+@pytest.fixture(scope="module")
+def cascade(tmp_path_factory):
+    cfg = load_config(CONFIGS / "debug.yaml")
+    spec = InputSpec.from_manifest(SPEC, "test")
+    model = build_cascade(cfg, require_plans(cfg, spec.input_shape, spec.out_width), 10, upto=2)
+    return Cascade(cfg, "classifier", spec, model, tmp_path_factory.mktemp("run"))
+
+
+def test_spec_from_a_manifest_and_its_absence():
+    spec = InputSpec.from_manifest(SPEC, "m.json")
+    assert spec.input_shape == (1, 8, 8) and spec.mean.shape == (1, 1, 1) and spec.class_names[3] == "3"
+    with pytest.raises(ArtifactError, match="no data_spec"):
+        InputSpec.from_manifest(None, "m.json")
+    with pytest.raises(ArtifactError, match="data_spec is malformed"):
+        InputSpec.from_manifest({**SPEC, "input_shape": "abc"}, "m.json")
+
+
+def test_inputs_in_every_accepted_layout_give_the_same_outputs(cascade):
+    x = np.random.default_rng(0).integers(0, 16, (3, 1, 8, 8)).astype(np.uint8)
+    ref = cascade.outputs(x)
+    assert ref.shape == (3, 10)
+    torch.testing.assert_close(cascade.outputs(x.reshape(3, 64).tolist()), ref)  # flat rows, nested lists
+    torch.testing.assert_close(cascade.outputs(torch.from_numpy(x).double()), ref)
+    torch.testing.assert_close(cascade.outputs(x[0]), ref[:1])  # one row without the batch axis
+    # the torchvision idiom: module(preprocess(x)) is the raw-input composed model
+    torch.testing.assert_close(cascade.module(cascade.preprocess(x)), cascade.composed(torch.from_numpy(x).float()))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "reason"),
+    [
+        (np.zeros((2, 3)), r"shape \(2, 3\); the model takes \(N, 1, 8, 8\)"),
+        ([[1.0, 2.0], [3.0]], "rows of different lengths"),
+        (np.array(["a", "b"]), "must be numbers"),
+        ([{"x": 1}], "must be numbers"),
+        (np.full((1, 1, 8, 8), np.nan), "NaN or infinite"),
+        (np.zeros((1, 1, 8, 8), dtype=np.complex64), "complex"),
+    ],
+)
+def test_bad_inputs_say_what_fits(cascade, inputs, reason):
+    with pytest.raises(InputError, match=reason):
+        cascade.predict(inputs)
+
+
+def test_prediction_columns_per_target_kind():
+    out = torch.tensor([[2.0, -1.0, 0.5], [-3.0, 1.0, 0.0]])
+    cls = prediction_columns(out, "class")
+    assert cls["prediction"].tolist() == [0, 1] and cls["prediction"].dtype == np.int64
+    np.testing.assert_allclose(cls["probabilities"].sum(1), 1.0, rtol=1e-6)
+    multi = prediction_columns(out, "multilabel")
+    assert multi["prediction"].tolist() == [[1, 0, 1], [0, 1, 1]]
+    reg = prediction_columns(out[:, :1], "regression")
+    assert reg["prediction"].tolist() == [2.0, -3.0] and "probabilities" not in reg  # (N, 1) -> (N,)
+    assert prediction_columns(out, "regression")["prediction"].shape == (2, 3)
