@@ -6,6 +6,7 @@ cascade-ray run pipelines/configs/debug.yaml --profile encoder --log-level debug
 cascade-ray submit pipelines/configs/debug.yaml storage_path=s3://bucket/runs --address http://127.0.0.1:8265
 cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--json]
 cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
+cascade-ray validate debug        # a shipped config by name (`cascade-ray ls`) where no such file exists
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue
 from cascade_ray.options import LOG_LEVELS, RunOptions
-from cascade_ray.tools.shipped import SHIPPED
+from cascade_ray.tools.shipped import SHIPPED, resolve_config
 
 if TYPE_CHECKING:
     from cascade_ray.config.schema import PipelineConfig
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="pipeline YAML file")
+    p.add_argument("config", help="pipeline YAML file, or the name of a shipped config (`cascade-ray ls`)")
     p.add_argument(
         "overrides",
         nargs="*",
@@ -252,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in _NO_CONFIG:
             return _run_tool(args)
+        args.config = resolve_config(args.config)  # a file path wins over a shipped name
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
             from cascade_ray.checks.reach import reach_issues

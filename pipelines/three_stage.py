@@ -34,6 +34,7 @@ from cascade_ray.cli import add_run_args, parse_args, run_options
 from cascade_ray.config.metrics import HEADLINE_METRIC
 from cascade_ray.errors import CascadeError
 from cascade_ray.logs import apply_log_level
+from cascade_ray.tools.shipped import resolve_config
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "three_stage.yaml"
 
@@ -41,7 +42,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "three_stage.yaml"
 def build_parser() -> argparse.ArgumentParser:
     """The same run flags as ``cascade-ray run`` (one shared definition), plus ``--config``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="pipeline YAML (default: %(default)s)")
+    parser.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), help="pipeline YAML, or a shipped config's name (default: %(default)s)"
+    )
     add_run_args(parser)
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages[0].train.epochs=1"
@@ -53,7 +56,7 @@ def main() -> int:
     args = parse_args(build_parser())
     try:
         # 1. the plan: config + overrides, validated with the shape preflight (no Ray yet)
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(resolve_config(args.config), args.overrides)  # a file, or a shipped name
         options = run_options(args, cfg)  # --tune DIR, --profile, --resume, --log-level, --address
         apply_log_level(options.log_level)
         print(f"config {args.config}: {' -> '.join(s.name for s in cfg.stages)}", flush=True)

@@ -34,7 +34,7 @@ from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
-from cascade_ray.pipeline.outputs import write_run_outputs
+from cascade_ray.pipeline.outputs import next_steps, write_run_outputs
 from cascade_ray.pipeline.records import RunSummary, summary_text
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
 from cascade_ray.pipeline.streaming import StreamedData, check_streaming_resources, scan_data
@@ -186,8 +186,10 @@ def _run_locked(
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(summary_text(run_summary))
     with staged_dir(out) as local:  # the report writers use local paths; staged to s3:// / gs:// here
-        write_run_outputs(local, final_cfg, records, test["labels"], test["predictions"], log=log)
+        events = write_run_outputs(local, final_cfg, records, test["labels"], test["predictions"], log=log)
     log(format_table(summary))
+    steps = next_steps(str(out), tensorboard=None if events is None else str(out / events.name))
+    log("\n".join(["next:", *(f"  {step}" for step in steps)]))
     return summary
 
 

@@ -6,11 +6,13 @@ steps, the training loss averaged since the previous row, lr, grad norm and upda
 the health monitor measured that step, samples/s; ``kind`` "epoch": one row per epoch with
 the validation metrics), ``{run}/test_predictions.parquet`` (label and prediction per test
 sample: class indices, or lists of multilabel flags / regression values) and, when the ``tensorboard`` package is installed, ``{run}/tensorboard/<stage>/``
-event files with the same scalars.
+event files with the same scalars. :func:`next_steps` is what the driver prints last: the
+commands to run on the finished run.
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,13 @@ def write_run_outputs(
     labels: np.ndarray,
     predictions: np.ndarray,
     log: Callable[[str], None] = print,
-) -> None:
-    """Write the resolved config, per-stage metrics tables, the test predictions and TensorBoard events."""
+) -> Path | None:
+    """Write the resolved config, per-stage metrics tables, the test predictions and TensorBoard events.
+
+    Returns:
+        ``{out}/tensorboard`` when event files were written there, else None (no tensorboard
+        package, or no metric rows).
+    """
     from cascade_ray.pipeline.tensorboard import write_tensorboard
 
     out.mkdir(parents=True, exist_ok=True)
@@ -51,7 +58,29 @@ def write_run_outputs(
             pq.write_table(_table(rows), out / METRICS_DIR / f"{record['name']}.parquet")
             tables[record["name"]] = rows
     pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
-    write_tensorboard(out, tables, log)
+    events = write_tensorboard(out, tables, log)
+    return events if events is not None and events.is_dir() else None
+
+
+def next_steps(run: str, *, tensorboard: str | None = None) -> list[str]:
+    """The commands a user runs next on a finished run: report, predict, serve, export and,
+    when event files were written, TensorBoard.
+
+    Args:
+        run: the run folder as shown to users (``str()`` of a ``UriPath``: no credentials).
+        tensorboard: ``{run}/tensorboard`` as shown to users (``str(run_dir / "tensorboard")``, so a
+            URI's query options stay at the end), or None when no event files were written.
+    """
+    quoted = shlex.quote(run)
+    steps = [
+        f"cascade-ray report {quoted}",
+        f"cascade-ray predict {quoted} --data FILE --out FILE",
+        f"cascade-ray serve {quoted}",
+        f"cascade-ray export {quoted}",
+    ]
+    if tensorboard is not None:
+        steps.append(f"tensorboard --logdir {shlex.quote(tensorboard)}")
+    return steps
 
 
 def _column(values: np.ndarray) -> pa.Array:

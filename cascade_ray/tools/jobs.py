@@ -56,7 +56,11 @@ def job_entrypoint(args: argparse.Namespace, storage_path: str) -> tuple[str, st
     """
     from cascade_ray.storage import parse_uri
 
-    workdir, config = Path(args.working_dir).resolve(), Path(args.config).resolve()
+    # absolute, symlinks kept: Ray's working_dir upload follows them, so pipelines/configs/x.yaml
+    # (a symlink into cascade_ray/shipped/) reaches the job under the name the user gave
+    workdir, config = Path(os.path.abspath(args.working_dir)), Path(os.path.abspath(args.config))
+    if not config.is_relative_to(workdir):  # e.g. a symlinked working dir: compare real paths
+        workdir, config = workdir.resolve(), config.resolve()
     address = args.address or os.environ.get("RAY_ADDRESS")
     issues = []
     if not (workdir / args.script).is_file():
@@ -72,7 +76,7 @@ def job_entrypoint(args: argparse.Namespace, storage_path: str) -> tuple[str, st
             ConfigIssue(
                 "config",
                 f"{config} is outside the working dir {workdir}, so the job would not get it",
-                "move it under the working dir, or pass --working-dir",
+                "move it under the working dir (`cascade-ray cp NAME .` copies a shipped config), or pass --working-dir",
             )
         )
     if parse_uri(storage_path) is None and not storage_path.startswith(("/", "~")):

@@ -144,6 +144,12 @@ def test_debug_pipeline_runs_as_a_job_from_the_cli_and_from_the_python_client(he
     assert size < MAX_UPLOAD_BYTES, f"working_dir upload is {size / 2**20:.1f} MiB; check .rayignore"
     names = {str(p.relative_to(packages[0])) for p in files}
     assert {"cascade_ray/storage.py", "cascade_ray/data/source.py", "pipelines/three_stage.py"} <= names
+    # the symlinked checkout paths arrive as files (Ray's zip follows symlinks), next to the package data
+    assert {
+        "pipelines/configs/debug.yaml",
+        "tune_spaces/encoder.yaml",
+        "cascade_ray/shipped/configs/debug.yaml",
+    } <= names
     assert not any(
         n.split("/")[0] in (".venv", ".git", "tests", "runs", ".pytest_cache") or "__pycache__" in n for n in names
     )

@@ -73,7 +73,7 @@ def first_run(bucket):
 
 
 def test_every_artifact_of_the_run_lands_in_the_bucket(first_run):
-    s3, prefix, summary, _ = first_run
+    s3, prefix, summary, lines = first_run
     run = f"{prefix}/runs/debug"
     assert summary["storage"] == s3.uri(run)
     assert [s["status"] for s in summary["stages"]] == ["trained"] * 3
@@ -87,6 +87,9 @@ def test_every_artifact_of_the_run_lands_in_the_bucket(first_run):
     assert any(k.startswith(f"{run}/tensorboard/classifier/events.out") for k in keys)
     assert not any(".cascade-probe-" in k for k in keys), "the storage probe cleans up after itself"
     assert summary["test_accuracy"] > 0.5
+    run_uri = summary["storage"]
+    assert lines[-1].splitlines()[0] == "next:", "the driver's last lines: what to run on the finished run"
+    assert f"cascade-ray report {run_uri}" in lines[-1] and f"tensorboard --logdir {run_uri}/tensorboard" in lines[-1]
 
 
 def test_the_parquet_prefix_and_file_on_s3_are_the_data(first_run):

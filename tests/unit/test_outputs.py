@@ -138,3 +138,26 @@ def test_report_draws_step_rows_and_epoch_only_runs(tmp_path):
     report = build_report(tmp_path)
     for png in ("features.png", "encoder.png", "confusion.png"):
         assert (report.parent / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_next_steps_name_the_run_and_tensorboard_only_when_written(tmp_path, monkeypatch):
+    from cascade_ray.pipeline.outputs import next_steps
+
+    cfg = load_config(CONFIGS / "debug.yaml")
+    labels = np.arange(20) % 10
+    records = [{"name": "features", "history": _history()}]
+    events = write_run_outputs(tmp_path / "with", cfg, records, labels, labels, log=lambda _: None)
+    assert events == tmp_path / "with" / "tensorboard" and events.is_dir()
+    run = str(tmp_path / "with")
+    assert next_steps(run, tensorboard=str(events)) == [
+        f"cascade-ray report {run}",
+        f"cascade-ray predict {run} --data FILE --out FILE",
+        f"cascade-ray serve {run}",
+        f"cascade-ray export {run}",
+        f"tensorboard --logdir {run}/tensorboard",
+    ]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    assert write_run_outputs(tmp_path / "without", cfg, records, labels, labels, log=lambda _: None) is None
+    steps = next_steps("s3://bucket/runs/my run")
+    assert steps[0] == "cascade-ray report 's3://bucket/runs/my run'"  # quoted: pasted into a shell as is
+    assert not any("tensorboard" in step for step in steps)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import cascade_ray
 from cascade_ray.cli import main as cli_main
 from cascade_ray.tools.doctor import run_doctor
 
@@ -44,3 +47,69 @@ def test_overrides_may_follow_options(capsys):
         == 2
     )
     assert "stages[1].train.epochs" in capsys.readouterr().err
+
+
+def test_cp_refuses_a_dangling_symlink_and_writes_nothing_through_it(tmp_path, capsys):
+    link, target = tmp_path / "my.yaml", tmp_path / "elsewhere" / "target.yaml"
+    (tmp_path / "elsewhere").mkdir()
+    link.symlink_to(target)
+    assert cli_main(["cp", "debug", str(link)]) == 1
+    assert "is a symlink" in capsys.readouterr().err
+    assert not target.exists()
+    assert cli_main(["cp", "space/encoder", str(tmp_path / "no" / "such" / "dir.yaml")]) == 1
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_a_shipped_name_is_a_config_unless_a_file_of_that_name_exists(tmp_path, monkeypatch, capsys):
+    from cascade_ray.tools.shipped import SHIPPED
+
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["validate", "debug"]) == 0
+    assert capsys.readouterr().out.startswith(f"{SHIPPED['config'] / 'debug.yaml'}: OK (3 stages")
+    # a file path always wins: ./debug here is a broken config, not the shipped one
+    (tmp_path / "debug").write_text("name: [\n")
+    assert cli_main(["validate", "debug"]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert cli_main(["validate", "debugg"]) == 2
+    err = capsys.readouterr().err
+    assert "'debugg' does not exist and is not a shipped config; did you mean 'debug'?" in err
+    assert cli_main(["validate", "nothing/like/it.yaml"]) == 2
+    assert "'nothing/like/it.yaml' does not exist" in capsys.readouterr().err
+    # a search space is not a pipeline config
+    assert cli_main(["validate", "space/encoder"]) == 2
+
+
+def test_tune_default_is_the_packaged_spaces_folder():
+    from cascade_ray.cli import build_parser, parse_args
+    from cascade_ray.tools.shipped import SHIPPED
+
+    args = parse_args(build_parser(), ["run", "debug", "--tune"])
+    assert args.tune == str(SHIPPED["space"]) and (SHIPPED["space"] / "encoder.yaml").is_file()
+    assert SHIPPED["space"].is_relative_to(Path(cascade_ray.__file__).parent)
+
+
+def test_checkout_paths_are_relative_symlinks_into_the_package():
+    """pipelines/configs and tune_spaces, the paths docs and commands use, are the packaged files."""
+    import os
+
+    from paths import ROOT
+
+    from cascade_ray.tools.shipped import SHIPPED
+
+    for link, kind in (("pipelines/configs", "config"), ("tune_spaces", "space")):
+        path = ROOT / link
+        assert path.is_symlink() and not os.path.isabs(os.readlink(path)), f"{link}: a relative symlink (any clone)"
+        assert path.resolve() == SHIPPED[kind].resolve()
+
+
+def test_submit_keeps_the_symlinked_config_path_the_user_gave(monkeypatch):
+    """Ray's working_dir upload follows symlinks, so the job gets pipelines/configs/debug.yaml as a file."""
+    from paths import ROOT
+
+    from cascade_ray.cli import build_parser, parse_args
+    from cascade_ray.tools.jobs import job_entrypoint
+
+    monkeypatch.chdir(ROOT)
+    args = parse_args(build_parser(), ["submit", "pipelines/configs/debug.yaml", "--address", "http://127.0.0.1:8265"])
+    entrypoint, _, workdir = job_entrypoint(args, "/shared/runs")
+    assert workdir == ROOT and "--config pipelines/configs/debug.yaml" in entrypoint, entrypoint
