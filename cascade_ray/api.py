@@ -7,6 +7,7 @@ print(run["test_accuracy"], [s["status"] for s in run.stages])
 cascade = run.model()                      # or load_cascade("/tmp/runs/debug"), also s3:// / gs://
 out = cascade.predict(images)              # {"prediction": ..., "probabilities": ...}
 predict("/tmp/runs/debug", "new.parquet", "predictions.parquet")   # Ray Data, on the cluster
+serving = serve("/tmp/runs/debug", port=8000)   # Ray Serve: POST {serving.url}/predict; serve(NEW, reload=True)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "load_cascade",
     "load_config",
     "run_pipeline",
+    "serve",
     "stage_runners",
     "validate_config",
 ]
@@ -152,3 +154,16 @@ def run_pipeline(
     options = options or RunOptions()
     summary = driver.run_pipeline(cfg, options, runners=stage_runners(cfg, options), log=log)
     return Run(summary, cfg)
+
+
+def serve(run: str, *, reload: bool = False, **options: Any) -> Any:
+    """Serve a finished run over HTTP with Ray Serve (``POST /predict``, ``GET /healthz``, ``GET /info``).
+
+    ``serve(run, host=, port=, replicas=, max_batch_size=, batch_wait_ms=, max_rows=, stage=,
+    name=, address=)`` starts the app and returns its ``Serving`` (``.url``, ``.gcs_address``)
+    without blocking; ``serve(new_run, reload=True, name=, address=)`` swaps a running app to
+    `new_run` in place and returns the new model's identity. Needs the ``serve`` extra.
+    """
+    from cascade_ray.tools.serve_control import reload_serving, start_serving
+
+    return reload_serving(run, **options) if reload else start_serving(run, **options)

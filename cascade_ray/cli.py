@@ -7,6 +7,7 @@ cascade-ray submit pipelines/configs/debug.yaml storage_path=s3://bucket/runs --
 cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--json]
 cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
 cascade-ray validate debug        # a shipped config by name (`cascade-ray ls`) where no such file exists
+cascade-ray serve ~/cascade-ray-runs/debug --port 8000   (then: cascade-ray serve --reload NEW_RUN --address ...)
 """
 
 from __future__ import annotations
@@ -142,6 +143,29 @@ def _add_in_process_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``cascade-ray serve``: start a Ray Serve app of a run, or reload a running one (tools/serve_control.py)."""
+    p.add_argument("run", nargs="?", help="a finished run {storage_path}/{name} (or s3:// / gs:// URI) to serve")
+    p.add_argument("--reload", default=None, metavar="NEW_RUN", help="swap the running app to NEW_RUN in place")
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy binds (default 127.0.0.1: loopback)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--replicas", type=int, default=1, help="model replicas (default 1)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most requests one forward pass takes (default 32)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits to fill (default 5 ms)")
+    p.add_argument("--max-rows", type=int, default=1024, help="most rows per request; more is a 400 (default 1024)")
+    p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
+    p.add_argument("--name", default="cascade", help="Serve application name (default cascade)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    p.add_argument(
+        "--watch",
+        default=None,
+        metavar="POINTER",
+        help="a file or URI holding a run path ('latest'): reload whenever it names another run (RUN may be '-')",
+    )
+    p.add_argument("--watch-interval", type=float, default=5.0, help="seconds between --watch polls (default 5)")
+    _add_log_level(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cascade-ray", description="Train a model in stages on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also report the test-accuracy change of dynamic int8 quantization",
     )
+    _add_serve_args(sub.add_parser("serve", help="serve a finished run over HTTP with Ray Serve (or --reload it)"))
     sub.add_parser("ls", help="list the shipped configs and search spaces")
     p = sub.add_parser("cp", help="copy a shipped config or space to edit it")
     p.add_argument("name", help="a name from `cascade-ray ls`")
@@ -216,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NO_CONFIG = ("report", "export", "ls", "cp", "doctor")
+_NO_CONFIG = ("report", "export", "ls", "cp", "doctor", "serve")
 
 
 def _run_tool(args: argparse.Namespace) -> int:
@@ -231,6 +256,12 @@ def _run_tool(args: argparse.Namespace) -> int:
         from cascade_ray.tools.export import export_run
 
         print(json.dumps(export_run(args.run_dir, args.format, args.quantize), indent=2))
+    elif args.command == "serve":
+        try:
+            from cascade_ray.tools.serve_control import serve_command
+        except ImportError as exc:
+            raise CascadeError(f"serve needs Ray Serve ({exc}): pip install 'cascade-ray[serve]'") from None
+        return serve_command(args)
     elif args.command == "ls":
         from cascade_ray.tools.shipped import list_shipped
 

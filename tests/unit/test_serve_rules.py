@@ -1,0 +1,80 @@
+"""The serving rules that need no Ray: request parsing before the model, reload compatibility,
+the replica config's strictness, the pinned deployment version, pointers and run paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+pytest.importorskip("ray.serve")  # the `serve` extra; CI installs it with `test`
+
+from cascade_ray.errors import CascadeError
+from cascade_ray.tools.inference import InputError
+from cascade_ray.tools.serve import ServeConfig, build_app, incompatibility, parse_inputs
+from cascade_ray.tools.serve_control import read_pointer, run_location
+
+SERVING = {"run": "/runs/a", "pipeline": "debug", "input_shape": [1, 8, 8], "target_kind": "class", "out_width": 10}
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"[1, 2]", "JSON object"),
+        (b"\xff\xfe", "not JSON"),
+        (b'{"input": [[1]]}', "did you mean 'inputs'"),
+        (b'{"inputs": "abc"}', "non-empty list"),
+        (json.dumps({"inputs": [[0]] * 9}).encode(), "at most 8"),
+    ],
+)
+def test_a_body_is_refused_before_the_model_sees_it(body, reason):
+    with pytest.raises(InputError, match=reason):
+        parse_inputs(body, cascade=None, max_rows=8)  # never reaches the model's own checks
+
+
+def test_only_a_newer_run_of_the_same_pipeline_and_spec_may_replace_the_served_one():
+    assert incompatibility(SERVING, {**SERVING, "run": "/runs/b", "fingerprint": "x"}) is None
+    for key, value in [("pipeline", "tabular"), ("input_shape", [30]), ("target_kind", "regression"), ("out_width", 2)]:
+        why = incompatibility(SERVING, {**SERVING, "run": "/runs/b", key: value})
+        assert why and key in why and "/runs/b" in why and "--name" in why
+
+
+def test_the_replica_config_is_strict():
+    with pytest.raises(ValidationError, match="max_batch"):
+        ServeConfig.model_validate({"run": "/r", "max_batch": 3})
+    with pytest.raises(ValidationError, match="max_batch_size"):
+        ServeConfig.model_validate({"run": "/r", "max_batch_size": "32"})
+    with pytest.raises(ValidationError, match="max_rows"):
+        ServeConfig.model_validate({"run": "/r", "max_rows": 0})
+    assert ServeConfig.model_validate(ServeConfig(run="/r").model_dump()) == ServeConfig(run="/r")
+
+
+def test_every_deploy_of_the_app_has_the_same_version_so_a_reload_reconfigures():
+    first = build_app(ServeConfig(run="/a", replicas=2, max_batch_size=50))
+    second = build_app(ServeConfig(run="/b", replicas=2, max_batch_size=50))
+    a, b = first._bound_deployment, second._bound_deployment
+    assert a.version == b.version and a.version.startswith("cascade-ray-serve-")
+    assert a.user_config["run"] == "/a" and b.user_config["run"] == "/b"
+    assert a.num_replicas == 2 and a.max_ongoing_requests == 100  # room for batches to fill
+
+
+def test_a_pointer_names_a_run_and_local_runs_become_absolute(tmp_path, monkeypatch):
+    pointer = tmp_path / "LATEST"
+    pointer.write_text("\n  s3://bucket/runs/v2  \n")
+    assert read_pointer(str(pointer)) == "s3://bucket/runs/v2"
+    pointer.write_text("\n")
+    with pytest.raises(CascadeError, match="empty"):
+        read_pointer(str(pointer))
+    monkeypatch.chdir(tmp_path)
+    assert run_location("runs/debug") == str(tmp_path / "runs" / "debug")
+    assert run_location("s3://bucket/runs/debug") == "s3://bucket/runs/debug"
+
+
+def test_the_serve_command_parses_its_flags():
+    from cascade_ray.cli import build_parser, parse_args
+
+    args = parse_args(build_parser(), ["serve", "/runs/a", "--port", "9000", "--replicas", "2"])
+    assert (args.run, args.port, args.replicas, args.host, args.reload) == ("/runs/a", 9000, 2, "127.0.0.1", None)
+    args = parse_args(build_parser(), ["serve", "--reload", "/runs/b", "--address", "127.0.0.1:6379"])
+    assert args.run is None and args.reload == "/runs/b"
