@@ -193,3 +193,19 @@ def test_an_import_only_stage_is_the_file_bit_for_bit_with_real_val_metrics(debu
     assert "heads.features keep their fresh initialization" in lines[0]
     head = 8 * 10 + 10  # the stage's own (fresh) head is frozen too
     assert done.frozen_params == sum(p.numel() for p in digit_features(1, 4).parameters()) + head
+
+
+def test_the_guide_transfer_example_validates(tmp_path):
+    """docs/guide.md's transfer section: its export script's file fits its config."""
+    from paths import ROOT
+
+    from cascade_ray.checks import load_config
+
+    text = (ROOT / "docs" / "guide.md").read_text().split("## Transfer: importing a pretrained backbone")[1]
+    script, config = text.split("```python\n")[1].split("```")[0], text.split("```yaml\n")[1].split("```")[0]
+    weights = str(tmp_path / "digitnet.safetensors")
+    exec(compile(script.replace("/abs/digitnet.safetensors", weights), "guide-export", "exec"), {})  # noqa: S102
+    path = tmp_path / "transfer.yaml"
+    path.write_text(config.replace("/abs/digitnet.safetensors", weights).replace("mypkg.nets:", "user_models:"))
+    cfg = load_config(path)
+    assert cfg.stages[0].train.epochs == 0 and cfg.stages[0].pretrained.prefix == "features."
