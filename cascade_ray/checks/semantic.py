@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -12,11 +11,10 @@ from cascade_ray.config.metrics import epoch_metric_names
 from cascade_ray.config.schema import NormalizeStats, PipelineConfig, StageConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models import ModelSpecError, check_kwargs, resolve_factory
+from cascade_ray.models.pretrained import file_issue
 from cascade_ray.solver import stage_solver_issues
 from cascade_ray.storage import parse_uri
 from cascade_ray.text import did_you_mean
-
-PRETRAINED_SUFFIXES = (".safetensors", ".pt", ".pth")
 
 
 def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
@@ -218,7 +216,9 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
             for reason, fix in cache_refusals(stage, index, path)
         ]
     if stage.pretrained is not None:
-        issues += _pretrained_issues(stage.pretrained, f"{path}.pretrained")
+        problem = file_issue(stage.pretrained, f"{path}.pretrained")
+        issues += [problem] if problem is not None else []
+    issues += _import_only_issues(stage, path)
     issues += _scaling_issues(stage, f"{path}.scaling")
     return issues
 
@@ -266,19 +266,25 @@ def _model_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     return [ConfigIssue(f"{path}.model", message) for message in check_kwargs(factory, stage.model.kwargs())]
 
 
-def _pretrained_issues(file: str, key: str) -> list[ConfigIssue]:
-    p = Path(file).expanduser()
-    if p.suffix not in PRETRAINED_SUFFIXES:
+def _import_only_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
+    """``train.epochs: 0`` (an import-only stage) needs weights to import and has nothing to train."""
+    if stage.train.epochs != 0:
+        return []
+    if stage.pretrained is None:
         return [
             ConfigIssue(
-                key,
-                f"{file!r} is not a .safetensors or .pt state-dict file",
-                "export the state dict with safetensors.torch.save_file",
+                f"{path}.train.epochs",
+                "0 epochs makes an import-only stage, but the stage has no pretrained weights to import",
+                f"set {path}.pretrained to the state-dict file, or train at least one epoch (train.epochs: 1)",
             )
         ]
-    if not p.is_file():
+    if stage.trainable_layers:
         return [
-            ConfigIssue(key, f"file {str(p)!r} does not exist", "use an absolute path to an existing state-dict file")
+            ConfigIssue(
+                f"{path}.trainable_layers",
+                "an import-only stage (train.epochs: 0) trains nothing, so it cannot open upstream layers",
+                f"remove {path}.trainable_layers, or train the stage (train.epochs >= 1)",
+            )
         ]
     return []
 

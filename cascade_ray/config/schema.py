@@ -418,7 +418,13 @@ class EarlyStoppingConfig(_Strict):
 class TrainConfig(_Strict):
     """How long and how the stage trains."""
 
-    epochs: int = Field(1, ge=1, description="Passes over the training split.")
+    epochs: int = Field(
+        1,
+        ge=0,
+        description="Passes over the training split. `0` makes an import-only stage (only with "
+        "`stages[i].pretrained`): the weights are loaded, frozen and written as the stage's artifact on the "
+        "driver, with no Ray Train job; its record's status is `imported`.",
+    )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps even if epochs remain.")
     batch_size: int = Field(
         128,
@@ -603,6 +609,39 @@ class FreezeConfig(_Strict):
     )
 
 
+def _path_only(value: Any) -> Any:
+    """``pretrained: /abs/w.safetensors`` is ``pretrained: {path: /abs/w.safetensors}``."""
+    return {"path": value} if isinstance(value, str) else value
+
+
+class PretrainedConfig(_Strict):
+    """A state-dict file loaded into a stage's module, and how its keys map onto the module's."""
+
+    path: str = Field(
+        description="Absolute path of the state-dict file: `.safetensors`, or `.pt`/`.pth` loaded with "
+        "`weights_only`. Its sha256 is part of the stage fingerprint, so changed bytes never reuse an "
+        "old artifact."
+    )
+    prefix: str = Field(
+        "",
+        description="Keep only the file's keys that start with this prefix, and strip it (e.g. `features.` "
+        "imports the `features.*` part of a whole network's state dict into this stage's module). Applied "
+        "before `rename`.",
+    )
+    rename: dict[str, str] = Field(
+        default_factory=dict,
+        description="Key prefix -> replacement, applied after `prefix` (the longest matching prefix wins; "
+        "e.g. `{backbone.: '', fc.: head.}`). Two file keys mapping to one module key is an error.",
+    )
+    strict: bool = Field(
+        True,
+        description="`true`: every module key must come from the file and every mapped file key must be "
+        "a module key. `false` (as torch's `load_state_dict(strict=False)`): module keys the file lacks keep "
+        "their fresh initialization and mapped file keys the module lacks are ignored, both listed in a "
+        "warning; at least one key must match, and shapes must always agree.",
+    )
+
+
 class StageConfig(_Strict):
     """One stage: its own module, head, loss, solver, training schedule and scaling."""
 
@@ -613,10 +652,15 @@ class StageConfig(_Strict):
         "adds nothing and trains the composed model on the weighted sum of every stage's loss.",
     )
     model: ModelConfig | None = Field(None, description="The stage's module (type: module only).")
-    pretrained: str | None = Field(
+    pretrained: Annotated[PretrainedConfig | None, BeforeValidator(_path_only)] = Field(
         None,
-        description="Optional state-dict file (.safetensors, or .pt loaded with weights_only) "
-        "loaded into this stage's module before training.",
+        description="State dict loaded into this stage's module before training (or instead of it, with "
+        "`train.epochs: 0`): a path, or `{path, prefix, rename, strict}`. Checked before Ray: keys and "
+        "shapes against the module after the mapping, dtypes (floats of another precision are cast to "
+        "the module's with a note; integer or bool where a float belongs is an error) and, for files up "
+        "to 256 MiB at validate and always before a run starts, NaN/Inf (an error naming the key). Only "
+        "the module: the stage's head and adapter start fresh. With `data.normalize`, give the "
+        "statistics the weights were trained with.",
     )
     adapter: AdapterConfig | None = Field(
         None,

@@ -16,6 +16,7 @@ from cascade_ray.config.schema import DataConfig, PipelineConfig, StageConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models.cascade import StagePlan, build_adapter, build_head
 from cascade_ray.models.losses import loss_issue
+from cascade_ray.models.pretrained import FINITE_CHECK_MAX_BYTES, preflight_issues
 from cascade_ray.models.registry import build_module, module_in_width, tensor_width
 
 _KNOWN_SHAPES = {"fashion_mnist": (1, 28, 28), "digits": (1, 8, 8)}
@@ -84,7 +85,7 @@ def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
             for i, s in enumerate(cfg.stages)
             if s.train.augment.enabled
         ]
-    return issues + plan_chain(cfg, shape, num_classes=width)[1]
+    return issues + plan_chain(cfg, shape, num_classes=width, read_bytes=FINITE_CHECK_MAX_BYTES)[1]
 
 
 def require_plans(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> list[StagePlan]:
@@ -108,9 +109,14 @@ _PLANS: dict[tuple[str, tuple[int, ...], int], list[StagePlan]] = {}
 
 
 def plan_chain(
-    cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int
+    cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int, *, read_bytes: float = 0
 ) -> tuple[list[StagePlan], list[ConfigIssue]]:
-    """Per-stage input/output shapes of the chain, computed on the meta device."""
+    """Per-stage input/output shapes of the chain, computed on the meta device.
+
+    Pretrained files are checked from their headers (keys, shapes, dtypes); files of at most
+    `read_bytes` are also read for NaN/Inf (validation: up to ``FINITE_CHECK_MAX_BYTES``; the
+    driver before Ray: all of them; the repeated planning of a run: none).
+    """
     plans: list[StagePlan] = []
     issues: list[ConfigIssue] = []
     shape = tuple(input_shape)
@@ -119,10 +125,13 @@ def plan_chain(
         for i, stage in enumerate(cfg.stages):
             if stage.type != "module" or stage.model is None:
                 continue
-            plan, issue = _plan_stage(stage, i, shape, producer, num_classes)
+            plan, issue, module = _plan_stage(stage, i, shape, producer, num_classes)
             if issue is not None:
                 issues.append(issue)
                 break  # downstream shapes are unknown once one stage does not fit
+            if stage.pretrained is not None and module is not None:
+                # keys, shapes, dtypes of the file against the module; shapes downstream still hold
+                issues += preflight_issues(stage.pretrained, module, f"stages[{i}].pretrained", read_bytes=read_bytes)
             plans.append(plan)
             shape, producer = plan.out_shape, f"stage {stage.name!r}"
     return plans, issues
@@ -130,33 +139,44 @@ def plan_chain(
 
 def _plan_stage(
     stage: StageConfig, index: int, in_shape: tuple[int, ...], producer: str, num_classes: int
-) -> tuple[StagePlan, ConfigIssue | None]:
+) -> tuple[StagePlan, ConfigIssue | None, torch.nn.Module | None]:
+    """The stage's shapes, or the issue that stops the chain; and its module (on meta) when it fits."""
     assert stage.model is not None
     path = f"stages[{index}]"
     try:
         module = build_module(stage.model.type, stage.model.kwargs())
     except Exception as exc:  # noqa: BLE001 - user factories fail in their own words
-        return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.model", f"stage {stage.name!r}: building {stage.model.type} failed: {exc}"
+        return (
+            _fail(stage, in_shape),
+            ConfigIssue(f"{path}.model", f"stage {stage.name!r}: building {stage.model.type} failed: {exc}"),
+            None,
         )
     expected = module_in_width(module)
     got = tensor_width((_PREFLIGHT_BATCH, *in_shape)) if len(in_shape) in (1, 2, 3) else None
     adapter_width = expected if stage.adapter is not None and expected is not None and expected != got else None
     if stage.adapter is not None and expected is None:
-        return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.adapter",
-            f"stage {stage.name!r}: the module has no `in_width` attribute, so the adapter's output width is unknown",
-            "give the module an `in_width` attribute",
+        return (
+            _fail(stage, in_shape),
+            ConfigIssue(
+                f"{path}.adapter",
+                f"stage {stage.name!r}: the module has no `in_width` attribute, so the adapter's output width is unknown",
+                "give the module an `in_width` attribute",
+            ),
+            None,
         )
     if expected is not None and got is not None and expected != got and adapter_width is None:
         kwarg = next(
             (k for k, v in stage.model.kwargs().items() if k in _WIDTH_KWARGS and v == expected), "in_channels"
         )
-        return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.model.{kwarg}",
-            f"stage {stage.name!r} ({stage.model.type}) expects input width {expected}, but {producer} outputs "
-            f"shape {_fmt(in_shape)} (width {got})",
-            f"set {path}.model.{kwarg}: {got}, or add {path}.adapter: {{type: linear}} to learn a projection",
+        return (
+            _fail(stage, in_shape),
+            ConfigIssue(
+                f"{path}.model.{kwarg}",
+                f"stage {stage.name!r} ({stage.model.type}) expects input width {expected}, but {producer} outputs "
+                f"shape {_fmt(in_shape)} (width {got})",
+                f"set {path}.model.{kwarg}: {got}, or add {path}.adapter: {{type: linear}} to learn a projection",
+            ),
+            None,
         )
     x = torch.empty((_PREFLIGHT_BATCH, *in_shape))
     try:
@@ -165,50 +185,27 @@ def _plan_stage(
         out_shape = tuple(out.shape[1:])
         logits = build_head(stage.head, out_shape, num_classes)(out)
     except Exception as exc:  # noqa: BLE001 - user modules fail in their own words: report them with the shapes
-        return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.model",
-            f"stage {stage.name!r} ({stage.model.type}) fails on input shape {_fmt(in_shape)} from {producer}: {exc}",
-            f"make the module accept {_fmt(in_shape)}, add {path}.adapter, or (first stage) set data.inputs.shape",
+        return (
+            _fail(stage, in_shape),
+            ConfigIssue(
+                f"{path}.model",
+                f"stage {stage.name!r} ({stage.model.type}) fails on input shape {_fmt(in_shape)} from {producer}: {exc}",
+                f"make the module accept {_fmt(in_shape)}, add {path}.adapter, or (first stage) set data.inputs.shape",
+            ),
+            None,
         )
     if tuple(logits.shape) != (_PREFLIGHT_BATCH, num_classes):
-        return _fail(stage, in_shape), ConfigIssue(
-            f"{path}.head.type",
-            f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},), "
-            "one output per class / regression value",
-            "use head.type: linear",
+        return (
+            _fail(stage, in_shape),
+            ConfigIssue(
+                f"{path}.head.type",
+                f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},), "
+                "one output per class / regression value",
+                "use head.type: linear",
+            ),
+            None,
         )
-    plan = StagePlan(stage.name, in_shape, out_shape, adapter_width)
-    if stage.pretrained is not None:
-        issue = pretrained_issue(stage.pretrained, module, f"{path}.pretrained")
-        if issue is not None:
-            return plan, issue
-    return plan, None
-
-
-def pretrained_issue(file: str, module: torch.nn.Module, key: str) -> ConfigIssue | None:
-    """A problem with a pretrained state dict for `module` (keys and shapes), or None."""
-    from cascade_ray.models.weights import read_state_shapes
-
-    try:
-        shapes = read_state_shapes(file)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file becomes a config issue naming it
-        return ConfigIssue(key, f"cannot read {file!r}: {exc}", "point it at a readable .safetensors or .pt state dict")
-    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    missing = sorted(set(want) - set(shapes))
-    unexpected = sorted(set(shapes) - set(want))
-    wrong = sorted(k for k in set(want) & set(shapes) if want[k] != shapes[k])
-    if not (missing or unexpected or wrong):
-        return None
-    parts = [
-        f"{label} {len(keys)} (e.g. {keys[0]!r})"
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-        if keys
-    ]
-    return ConfigIssue(
-        key,
-        f"state dict in {file!r} does not match the module: {', '.join(parts)}",
-        "save the state dict of this exact module (module.state_dict())",
-    )
+    return StagePlan(stage.name, in_shape, out_shape, adapter_width), None, module
 
 
 def _fail(stage: StageConfig, in_shape: tuple[int, ...]) -> StagePlan:

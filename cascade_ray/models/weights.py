@@ -70,25 +70,3 @@ def load_safetensors(path: str | Path) -> NumpyState:
     from safetensors.numpy import load_file
 
     return load_file(str(path))
-
-
-def read_state_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of a state-dict file (.safetensors, or .pt/.pth read with weights_only)."""
-    p = Path(path).expanduser()
-    if p.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(p), framework="numpy") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-    return {k: tuple(v.shape) for k, v in load_state_file(p).items()}
-
-
-def load_state_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Load a user-provided state dict safely: safetensors, or torch with ``weights_only``."""
-    p = Path(path).expanduser()
-    if p.suffix == ".safetensors":
-        return {k: torch.from_numpy(v) for k, v in load_safetensors(p).items()}
-    state = torch.load(p, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{p} does not hold a flat state dict of tensors")
-    return state

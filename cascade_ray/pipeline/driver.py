@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,7 +31,7 @@ from cascade_ray.logs import install_worker_filter, ray_logging_level
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.losses import build_loss
 from cascade_ray.models.metrics import EvalMetrics, output_predictions
-from cascade_ray.models.plan import require_plans
+from cascade_ray.models.plan import plan_chain, require_plans
 from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
@@ -90,6 +91,11 @@ def run_pipeline(
         scan_data(cfg) if cfg.data.streaming is not False else load_data(cfg.data, cfg.seed)
     )
     require_plans(cfg, data.input_shape, data.out_width)
+    if any(s.pretrained is not None for s in cfg.stages):
+        # every pretrained file read whole for NaN/Inf before Ray (validate reads only small ones)
+        bad = plan_chain(cfg, data.input_shape, data.out_width, read_bytes=math.inf)[1]
+        if bad:
+            raise ConfigError(bad, source=cfg.name)
     # schedule lengths vs the real optimizer steps need the training-set size
     errors, warnings = step_count_issues(cfg, data.n_train)
     bf16_errors, bf16_warnings = precision_config_issues(cfg)  # explicit bf16 on this CPU if it emulates it
@@ -146,9 +152,10 @@ def _run_locked(
         upstream: Handoff | None = None
         records = []
         for index, stage in enumerate(cfg.stages):
-            log(
-                f"stage {index + 1}/{len(cfg.stages)}: {stage.name} ({stage.type}) on {stage.scaling.num_workers} worker(s)"
+            where = (
+                "import-only, on the driver" if stage.train.epochs == 0 else f"on {stage.scaling.num_workers} worker(s)"
             )
+            log(f"stage {index + 1}/{len(cfg.stages)}: {stage.name} ({stage.type}) {where}")
             if stage.name in runners:
                 outcome = runners[stage.name](session, index, upstream)
             else:

@@ -57,13 +57,16 @@ class StageResult(_Record):
     history: list[dict[str, Any]] = Field(
         description="One entry per epoch (its metrics), each with that epoch's per-step rows under ``steps``."
     )
-    num_workers: int = Field(description="Ray Train workers the stage ran on.")
+    num_workers: int = Field(description="Ray Train workers the stage ran on (0: imported on the driver).")
     trainable_params: int = Field(description="Parameters the stage trained.")
     frozen_params: int = Field(description="Parameters of the frozen upstream stages.")
     fingerprint: str = Field(
         description="sha256 of the stage config, parent fingerprint, data, seed and package version."
     )
-    ray_run: str = Field(description="Name of the stage's Ray Train run under ``{run}/ray/`` (a sweep's best trial).")
+    ray_run: str = Field(
+        description="Name of the stage's Ray Train run under ``{run}/ray/`` (a sweep's best trial); empty for an "
+        "imported stage, which runs no Ray Train job."
+    )
     precision: dict[str, Any] | None = Field(
         default=None,
         description="What the worker's device made of ``solver.precision``: requested, resolved, reason, hardware "
@@ -134,8 +137,9 @@ class StageRecord(StageResult):
 
     name: str = Field(description="Stage name.")
     type: str = Field(description="Stage type (``stages[i].type``).")
-    status: Literal["trained", "reused", "tuned"] = Field(
-        description="Trained in this run, reused from a matching artifact (``--resume``), or the best trial of a sweep."
+    status: Literal["trained", "reused", "tuned", "imported"] = Field(
+        description="Trained in this run, reused from a matching artifact (``--resume``), the best trial of a "
+        "sweep, or imported from ``pretrained`` with no training (``train.epochs: 0``, on the driver)."
     )
     wall_s: float = Field(description="Seconds from the stage's start to its artifact written; 0 when reused.")
     artifact: str = Field(description="The stage's artifact folder.")

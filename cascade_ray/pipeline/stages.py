@@ -24,15 +24,19 @@ import torch
 from cascade_ray import __version__
 from cascade_ray.config.metrics import checkpoint_metric, metric_mode
 from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.data import DataSplits
+from cascade_ray.data.splits import DataInfo
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.freeze import apply_freeze, plan_trainable
 from cascade_ray.models.plan import require_plans
+from cascade_ray.models.pretrained import pretrained_sha256
 from cascade_ray.models.weights import NumpyState, state_digests
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import fit_stage, resumable_run, unique_run_name
+from cascade_ray.pipeline.imported import import_stage
 from cascade_ray.pipeline.records import ManifestFields, StageRecord
 from cascade_ray.pipeline.stream_cache import StreamedCache, prepare_streamed_cache
 from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, read_checkpoint
@@ -81,12 +85,15 @@ DEVICE_KEYS = ("precision", "memory_format", "compile")
 
 
 def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str) -> str:
-    """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version."""
+    """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version,
+    and the sha256 of its pretrained file's bytes (a changed file never reuses an old artifact)."""
     stage = cfg.stages[index].model_dump(mode="json")
     stage.pop("freeze", None)  # how the inputs are computed (feature cache), not what is trained
-    blob = json.dumps(
-        {"stage": stage, "parent": parent, "data": data_fp, "seed": cfg.seed, "version": __version__}, sort_keys=True
-    )
+    parts = {"stage": stage, "parent": parent, "data": data_fp, "seed": cfg.seed, "version": __version__}
+    pretrained = cfg.stages[index].pretrained
+    if pretrained is not None:  # only then, so other stages keep the fingerprints they had
+        parts["pretrained_sha256"] = pretrained_sha256(pretrained.path)
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -122,6 +129,8 @@ class StageSession:
             if reused is not None:
                 return reused
         t0 = time.perf_counter()
+        if stage.train.epochs == 0:
+            return self._import(index, upstream, fp=fp, started=t0)
         cache = self.feature_cache(index, upstream)
         name = self._resumable(index, fp) if resume else None
         name = name or unique_run_name(self.out / "ray", stage, index, fp)
@@ -248,6 +257,51 @@ class StageSession:
             resumed_from_epoch=outcome.get("resumed_from_epoch"),
         ).to_json()
         return record, Handoff(state, ray.put(state), fp)  # one put; every worker of the next stage reads it
+
+    def _import(
+        self, index: int, upstream: Handoff | None, *, fp: str, started: float
+    ) -> tuple[dict[str, Any], Handoff]:
+        """An import-only stage (``train.epochs: 0``): built, loaded, frozen and evaluated here on the
+        driver (no Ray Train job, no Ray run folder), then persisted and handed on like a trained one."""
+        stage = self.cfg.stages[index]
+        if self.data_ref is not None:
+            data: DataSplits | DataInfo = DataSplits.from_arrays(ray.get(self.data_ref))
+        else:
+            s = self.stream
+            data = DataInfo(self.input_shape, self.out_width, s.target_kind, s.n_train, s.mean, s.std)
+        done = import_stage(self.cfg, index, data, upstream.state if upstream else None, log=self.log)
+        state = done.state
+        if upstream is not None:  # the composed state carries the upstream bit for bit
+            changed = frozen_changes(upstream.state, state)
+            if changed:
+                raise FrozenDriftError(
+                    f"stage {stage.name!r}: {len(changed)} upstream tensor(s) differ after the import: {', '.join(changed[:5])}"
+                )
+        fields = ManifestFields(
+            metrics=done.metrics,
+            history=[],
+            num_workers=0,
+            trainable_params=0,
+            frozen_params=done.frozen_params,
+            fingerprint=fp,
+            ray_run="",
+            stage=stage.name,
+            index=index,
+            parent_fingerprint=upstream.fingerprint if upstream else "",
+            data_fingerprint=self.data_fp,
+            frozen_digest=state_digests(state),  # all of it: an imported stage trains nothing
+            data_spec=self.data_spec or None,
+        )
+        artifact = write_artifact(self.artifact_dir(index), state, fields)
+        record = StageRecord.from_manifest(
+            artifact.manifest,
+            name=stage.name,
+            type=stage.type,
+            status="imported",
+            wall_s=round(time.perf_counter() - started, 2),
+            artifact=str(artifact.path),
+        ).to_json()
+        return record, Handoff(state, ray.put(state), fp)
 
     def _reuse(self, index: int, fp: str) -> tuple[dict[str, Any], Handoff] | None:
         """The stored artifact when its fingerprint matches and it verifies; None to retrain."""

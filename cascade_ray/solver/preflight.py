@@ -52,6 +52,8 @@ def step_count_issues(cfg: PipelineConfig, n_train: int) -> tuple[list[ConfigIss
     errors: list[ConfigIssue] = []
     warnings: list[ConfigIssue] = []
     for i, stage in enumerate(cfg.stages):
+        if stage.train.epochs == 0:
+            continue  # an import-only stage takes no optimizer step: nothing to check
         e, w = stage_step_issues(stage, i, n_train, stage.scaling.num_workers)
         errors += e
         warnings += w

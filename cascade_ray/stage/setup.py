@@ -11,7 +11,7 @@ seeding torch (:func:`build_stage_model`), and nothing after it draws random num
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,8 @@ from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage
 from cascade_ray.models.freeze import TrainablePlan, apply_freeze, plan_trainable
 from cascade_ray.models.losses import build_loss
 from cascade_ray.models.plan import require_plans
-from cascade_ray.models.weights import load_numpy_state, load_state_file
+from cascade_ray.models.pretrained import load_pretrained
+from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.solver import (
     LrSchedule,
     Precision,
@@ -213,15 +214,24 @@ def stage_seed(cfg: PipelineConfig, index: int) -> int:
 
 
 def build_stage_model(
-    cfg: PipelineConfig, index: int, data: DataSplits | DataInfo, upstream: Mapping[str, np.ndarray] | None
+    cfg: PipelineConfig,
+    index: int,
+    data: DataSplits | DataInfo,
+    upstream: Mapping[str, np.ndarray] | None,
+    log: Callable[[str], None] = print,
 ) -> tuple[CascadeModel, TrainablePlan]:
-    """The composed model for stage `index` with upstream weights loaded and frozen (on the CPU)."""
+    """The composed model for stage `index` with upstream weights loaded and frozen (on the CPU).
+
+    The stage's ``pretrained`` weights are mapped, checked (NaN/Inf too) and loaded into its
+    module; `log` gets the notes (dtype casts, keys ``strict: false`` left out).
+    """
     plans = require_plans(cfg, data.input_shape, data.out_width)
     torch.manual_seed(stage_seed(cfg, index))
     model = build_cascade(cfg, plans, data.out_width, upto=index)
     stage = cfg.stages[index]
     if stage.pretrained is not None:
-        model.blocks[stage.name].load_state_dict(load_state_file(stage.pretrained))
+        for note in load_pretrained(model.blocks[stage.name], stage.pretrained, f"stages[{index}].pretrained"):
+            log(f"note: {note}")
     if upstream is not None:
         own = {k for k in model.state_dict() if k.split(".")[1] == stage.name}
         missing, unexpected = _load_upstream(model, upstream)

@@ -122,6 +122,24 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
             )
         ]
     issues = []
+    if cfg.stages[names.index(space.stage)].train.epochs == 0:
+        issues.append(
+            ConfigIssue(
+                "stage",
+                f"stage {space.stage!r} is import-only (train.epochs: 0): it trains nothing, so there is nothing to sweep",
+                "sweep a stage that trains, or give this one train.epochs >= 1",
+            )
+        )
+    epochs = space.space.get("train.epochs")
+    probe = _probe_values(epochs) if epochs is not None and not _distribution_issues("", epochs) else []
+    if any(isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1 for v in probe):
+        issues.append(
+            ConfigIssue(
+                "space.train.epochs",
+                "a trial of 0 epochs would be an import-only stage, which trains nothing to compare",
+                "sample train.epochs from values >= 1",
+            )
+        )
     reported = metrics_reported(cfg, space.stage)
     if space.metric not in reported:
         issues.append(

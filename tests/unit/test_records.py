@@ -112,7 +112,9 @@ def test_summary_errors_name_the_stage_entry(tmp_path):
     path = tmp_path / "summary.json"
     path.write_text(summary_text(run_summary([stage_record("a"), stage_record("b")])))
     _edit(path, lambda d: d["stages"][1].update(status="skipped"))
-    with pytest.raises(ArtifactError, match=r"'stages\[1\]\.status': Input should be 'trained', 'reused' or 'tuned'"):
+    with pytest.raises(
+        ArtifactError, match=r"'stages\[1\]\.status': Input should be 'trained', 'reused', 'tuned' or 'imported'"
+    ):
         read_summary(path)
     _edit(path, lambda d: d.update(stages=[]))
     with pytest.raises(ArtifactError, match=r"summary.json: 'stages': List should have at least 1 item"):
