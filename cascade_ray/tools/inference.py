@@ -25,9 +25,8 @@ import torch
 import yaml
 from torch import nn
 
-from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.errors import ArtifactError, CascadeError
+from cascade_ray.errors import ArtifactError, CascadeError, ConfigIssue
 from cascade_ray.models.cascade import CascadeModel, build_cascade
 from cascade_ray.models.metrics import output_predictions, output_probabilities
 from cascade_ray.models.plan import require_plans
@@ -234,22 +233,28 @@ def resolve_run(location: str | StorageDir) -> tuple[StorageDir, str | None]:
 
 
 def read_run_config(run: StorageDir) -> PipelineConfig:
-    """The run's resolved ``config.yaml``, validated without touching what it trained from.
+    """The run's resolved ``config.yaml``, read without touching what it trained from.
 
-    ``pretrained`` files are dropped (the artifact holds the weights) and the shape preflight
-    is skipped (the manifest's input shape drives the plan), so the config loads on a
-    machine that has neither the pretrained files nor the data.
+    Only the schema pass runs (the run was fully validated when it trained), and
+    ``pretrained`` files are left out (the artifact holds the weights), so the config loads
+    on a machine that has neither the pretrained files nor the data; the manifest's input
+    shape drives the shape plan.
     """
+    from cascade_ray.config.loader import parse_config
+
     file = run / CONFIG_FILE
     if not file.is_file():
         raise CascadeError(f"{run} is not a finished run (no {CONFIG_FILE}): pass {{storage_path}}/{{name}}")
     raw = yaml.safe_load(file.read_text())
     if not isinstance(raw, dict):
         raise ArtifactError(f"{file}: not a mapping; the run's config is damaged")
-    for stage in raw.get("stages") or []:
-        if isinstance(stage, dict):
-            stage.pop("pretrained", None)
-    return validate_config(raw, source=str(file), preflight=False)
+    issues: list[ConfigIssue] = []
+    cfg, _ = parse_config(raw, issues)
+    if issues or cfg is None:
+        problems = "; ".join(issue.render() for issue in issues[:3])
+        raise ArtifactError(f"{file}: not a config this version reads ({problems}); retrain the run with this version")
+    stages = [s.model_copy(update={"pretrained": None}) for s in cfg.stages]
+    return cfg.model_copy(update={"stages": stages})
 
 
 def run_summary(run: StorageDir) -> RunSummary:

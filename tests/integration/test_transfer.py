@@ -3,13 +3,17 @@ import-only stage (no Ray Train job), a head trained on it, --resume reuse and a
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import save_file
 from user_models import DigitNet
 
-from cascade_ray.api import RunOptions, run_pipeline
+from cascade_ray.api import RunOptions, load_cascade, run_pipeline
 from cascade_ray.checks import validate_config
 from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
@@ -98,6 +102,22 @@ def test_the_cascade_scores_like_the_backbone(transfer):
     print(f"backbone test accuracy {backbone_acc:.4f}, cascade {summary['test_accuracy']:.4f}")
     assert backbone_acc > 0.9
     assert abs(summary["test_accuracy"] - backbone_acc) <= TOLERANCE
+
+
+def test_the_run_loads_and_predicts_without_the_pretrained_file(transfer, tmp_path):
+    raw, _, _, summary, _, run = transfer
+    weights = Path(raw["stages"][0]["pretrained"]["path"])
+    hidden = tmp_path / weights.name
+    shutil.move(weights, hidden)  # loading elsewhere: the run's own files, not the pretrained file
+    try:
+        cascade = load_cascade(run)
+    finally:
+        shutil.move(hidden, weights)
+    cfg = validate_config(raw)
+    data = load_data(cfg.data, cfg.seed)
+    prediction = cascade.predict(data.x_test)["prediction"]
+    np.testing.assert_array_equal(prediction, pq.read_table(run / "test_predictions.parquet")["prediction"].to_numpy())
+    assert float((prediction == data.y_test).mean()) == pytest.approx(summary["test_accuracy"])
 
 
 def test_resume_reuses_the_import_and_a_changed_file_reimports(transfer):
