@@ -217,17 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="PNG curves per stage, the composed model's confusion matrix and report.md of a finished run"
     )
     p.add_argument("run_dir", help="a finished run: {storage_path}/{name}")
-    p = sub.add_parser("export", help="export a finished run's composed model and check parity against eager")
-    p.add_argument("run_dir", help="a finished run: {storage_path}/{name}")
+    p = sub.add_parser(
+        "export",
+        help="export a finished run's composed model (raw inputs, normalization inside) and check parity against eager",
+    )
+    p.add_argument("run_dir", help="a finished run: {storage_path}/{name} (local or URI), or {run}/stages/<stage>")
     p.add_argument(
-        "--format", choices=["torchscript", "onnx"], default="torchscript", help="export format (default torchscript)"
+        "--format",
+        choices=["pt2", "onnx", "torchscript"],
+        default="pt2",
+        help="pt2: torch.export program (default); onnx; torchscript: legacy (torch.jit is deprecated)",
     )
     p.add_argument(
         "--quantize",
         choices=["int8"],
         default=None,
-        help="also report the test-accuracy change of dynamic int8 quantization",
+        help="also report the effect of dynamic int8 quantization (on the eager model; the file stays fp32)",
     )
+    p.add_argument("--stage", default=None, help="the stage whose head the model returns (default: the last)")
     _add_serve_args(sub.add_parser("serve", help="serve a finished run over HTTP with Ray Serve (or --reload it)"))
     sub.add_parser("ls", help="list the shipped configs and search spaces")
     p = sub.add_parser("cp", help="copy a shipped config or space to edit it")
@@ -255,7 +262,7 @@ def _run_tool(args: argparse.Namespace) -> int:
 
         from cascade_ray.tools.export import export_run
 
-        print(json.dumps(export_run(args.run_dir, args.format, args.quantize), indent=2))
+        print(json.dumps(export_run(args.run_dir, args.format, args.quantize, args.stage), indent=2))
     elif args.command == "serve":
         try:
             from cascade_ray.tools.serve_control import serve_command

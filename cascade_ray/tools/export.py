@@ -1,16 +1,27 @@
-"""``cascade-ray export RUN_DIR``: the composed model as TorchScript or ONNX, checked for parity.
+"""``cascade-ray export RUN [--format pt2|onnx|torchscript] [--quantize int8] [--stage S]``.
 
-The exported model takes raw images (the run's normalization is built in) and returns
-class logits of the last stage's head. Parity against the eager model is measured on
-test batches (max abs diff of the logits) and, for ONNX, through onnxruntime when it is
-installed. ``--quantize int8`` applies dynamic int8 quantization to the Linear layers and
-reports the test-accuracy change.
+The exported model is the run's composed model (:func:`load_cascade`, rebuilt from the run's
+files, no training data): it takes raw inputs (the normalization is inside) and returns the
+head outputs of the last stage (or `--stage`). Formats:
+
+- ``pt2`` (default): a ``torch.export`` program with a dynamic batch dimension, written with
+  ``torch.export.save``; ``torch.export.load(path).module()(x)`` runs it.
+- ``onnx``: the dynamo-based exporter, falling back to the TorchScript-based one; parity
+  through onnxruntime when it is installed.
+- ``torchscript`` (legacy, deprecated): ``torch.jit.trace``; use pt2 for new consumers.
+
+Next to ``model.<ext>`` the folder ``{run}/export/`` (``{run}/export/<stage>/`` for an
+earlier stage) holds ``<format>.json`` (what was measured) and ``input_spec.json`` (what to
+feed the model), so a consumer needs neither cascade-ray nor the run. Every export is
+reloaded and compared with the eager model (:mod:`cascade_ray.tools.export_parity`); a
+difference above the tolerance is a :class:`CascadeError` and leaves no model file.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,161 +29,208 @@ import numpy as np
 import torch
 from torch import nn
 
-from cascade_ray.checks import load_config
 from cascade_ray.config.metrics import HEADLINE_METRIC
-from cascade_ray.config.schema import LossConfig
-from cascade_ray.data.source import load_data
 from cascade_ray.errors import CascadeError
-from cascade_ray.models.cascade import build_cascade
-from cascade_ray.models.losses import build_loss
-from cascade_ray.models.metrics import EvalMetrics
-from cascade_ray.models.plan import require_plans
-from cascade_ray.models.weights import load_numpy_state
-from cascade_ray.pipeline.artifacts import read_artifact
-from cascade_ray.pipeline.outputs import CONFIG_FILE
-from cascade_ray.pipeline.records import read_summary
-from cascade_ray.storage import StorageDir, as_storage, local_copy, staged_dir
+from cascade_ray.pipeline.artifacts import MANIFEST
+from cascade_ray.storage import StorageDir, staged_dir
+from cascade_ray.tools.export_parity import ParityInputs, headline_score, int8_figures, max_abs_diff, parity_inputs
+from cascade_ray.tools.inference import Cascade, load_cascade, run_summary
 
 EXPORT_DIR = "export"
-PARITY_SAMPLES = 1000
+FORMATS = {"pt2": "model.pt2", "onnx": "model.onnx", "torchscript": "model.ts"}
+# fp32 tracers reorder a few ops at most; relative to the largest output for large logits
+PARITY_TOLERANCE = 1e-4
+# torch.export specializes a batch of 1 to the constant 1: trace with 2 rows
+EXAMPLE_ROWS = 2
+TORCHSCRIPT_NOTE = "torchscript is a legacy format (torch.jit is deprecated): export pt2 for new consumers"
+INPUT_SPEC = "input_spec.json"
+ONNX_INLINE_BYTES = 1 << 30
 
 
-class ComposedClassifier(nn.Module):
-    """Raw images -> normalized -> every stage in order -> last head's logits."""
-
-    def __init__(self, cascade: nn.Module, mean: float, std: float):
-        super().__init__()
-        self.cascade = cascade
-        self.head = cascade.order[-1]
-        # per channel (C, 1, 1), per feature (D,) or one value: broadcast to an input row
-        self.register_buffer("mean", torch.as_tensor(np.asarray(mean, dtype=np.float32)))
-        self.register_buffer("std", torch.as_tensor(np.asarray(std, dtype=np.float32)))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.cascade((images - self.mean) / self.std, heads=[self.head])[self.head]
+def _batch_dim() -> Any:
+    return torch.export.Dim("batch", min=1)
 
 
-def load_composed(run: str | StorageDir) -> tuple[ComposedClassifier, Any]:
-    """The composed model of a finished run (verified artifact) and the run's data splits.
+def export_program(module: nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
+    """``torch.export`` of `module` on `example` with a dynamic batch dimension.
 
-    `run` is ``{storage_path}/{name}``, a local folder or a URI; the last stage's artifact is
-    read from ``{run}/stages/<stage>``, wherever the run was written from."""
-    run = as_storage(run, "run_dir")
-    if not (run / CONFIG_FILE).is_file() or not (run / "summary.json").is_file():
-        raise CascadeError(
-            f"{run} is not a finished run (no {CONFIG_FILE} / summary.json): pass {{storage_path}}/{{name}}"
-        )
-    with local_copy(run / CONFIG_FILE) as config_file:
-        cfg = load_config(config_file)
-    summary = read_summary(run / "summary.json")
-    _, state = read_artifact(run / "stages" / summary.stages[-1].name)
-    data = load_data(cfg.data, cfg.seed)
-    plans = require_plans(cfg, data.input_shape, data.out_width)
-    cascade = build_cascade(cfg, plans, data.out_width, upto=len(cfg.stages) - 1)
-    load_numpy_state(cascade, state)
-    return ComposedClassifier(cascade, data.mean, data.std).eval(), data
-
-
-def _batches(data: Any, limit: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x = np.asarray(data.x_test[:limit], dtype=np.float32)
-    y = np.asarray(data.y_test[:limit])
-    return [(torch.from_numpy(x[i : i + 500]), torch.from_numpy(y[i : i + 500])) for i in range(0, len(y), 500)]
-
-
-def _quantizable_linears(model: nn.Module) -> tuple[set[str], int]:
-    """Names of Linear layers dynamic int8 can replace, and how many it must leave alone.
-
-    nn.TransformerEncoderLayer reads ``linear.weight`` as a tensor in its forward; a
-    dynamically quantized Linear turns it into a method, so those stay fp32.
+    Raises:
+        CascadeError: the module does not trace; names the first stage part that fails alone.
     """
-    inside = {
-        f"{name}.{sub}"
-        for name, m in model.named_modules()
-        if isinstance(m, nn.TransformerEncoderLayer)
-        for sub, _ in m.named_modules()
-        if sub
-    }
-    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    return linears - inside, len(linears & inside)
+    try:
+        # grad mode: keeps nn.TransformerEncoderLayer off its inference fast path
+        with torch.enable_grad():
+            return torch.export.export(module, (example,), dynamic_shapes=({0: _batch_dim()},))
+    except Exception as exc:  # noqa: BLE001 - dynamo raises many types for code it cannot trace
+        where = _failing_part(module, example) or f"the composed model ({type(module).__name__})"
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CascadeError(
+            f"torch.export cannot trace {where}: {type(exc).__name__}: {first}; "
+            "export with --format onnx or --format torchscript (tracers that follow one path: "
+            "the parity check tells whether it holds)"
+        ) from None
 
 
-@torch.no_grad()
-def _score(fn: Any, data: Any) -> float:
-    """The headline test metric of `fn` on the test split: accuracy (class), mAP (multilabel), R² (regression)."""
-    kind = data.target_kind
-    metrics = EvalMetrics(kind, data.out_width, build_loss(LossConfig(), kind, training=False))
-    for x, y in _batches(data):
-        metrics.update(torch.as_tensor(fn(x)), y)
-    return metrics.compute(lambda v: v)[HEADLINE_METRIC[kind]]
+def _failing_part(module: nn.Module, example: torch.Tensor) -> str | None:
+    """The first adapter/module/head of the cascade that does not export on its own, if any."""
+    composed = getattr(module, "module", None)
+    cascade = getattr(composed, "cascade", None)
+    if cascade is None:
+        return None
+    with torch.no_grad():
+        x = (example - module.mean) / module.std
+    first = cascade.order.index(cascade.input_stage) if cascade.input_stage else 0
+    names = cascade.order[first:]
+    for name in names:
+        parts = [("adapter", cascade.adapters[name])] if name in cascade.adapters else []
+        parts += [("module", cascade.blocks[name])] + ([("head", cascade.heads[name])] if name == names[-1] else [])
+        for kind, part in parts:
+            try:
+                with torch.enable_grad():
+                    torch.export.export(part, (x,), dynamic_shapes=({0: _batch_dim()},))
+            except Exception:  # noqa: BLE001 - any failure names the part
+                return f"stage {name!r} ({kind} {type(part).__name__})"
+            with torch.no_grad():
+                x = part(x)
+    return None
 
 
-@torch.no_grad()
-def export_run(run: str | StorageDir, fmt: str, quantize: str | None = None) -> dict[str, Any]:
-    """Export the run's composed model to ``{run}/export/``; return paths and the measured
-    parity/accuracy figures. On object storage the files are written locally, then uploaded."""
-    run = as_storage(run, "run_dir")
-    model, data = load_composed(run)
-    with staged_dir(run / EXPORT_DIR) as out:
-        report = _export(model, data, out, fmt, quantize)
-    report["path"] = str(run / EXPORT_DIR / Path(report["path"]).name)
-    return report
-
-
-def _export(model: ComposedClassifier, data: Any, out: Path, fmt: str, quantize: str | None) -> dict[str, Any]:
-    parity = _batches(data, PARITY_SAMPLES)
-    example = parity[0][0][:2]
-    metric = HEADLINE_METRIC[data.target_kind]
-    report: dict[str, Any] = {"format": fmt, f"eager_test_{metric}": _score(model, data)}
+def _write(fmt: str, model: nn.Module, example: torch.Tensor, path: Path, report: dict[str, Any]) -> Callable | None:
+    """Write `model` as `fmt` to `path`; return the reloaded model as a callable (None: cannot run here)."""
+    if fmt == "pt2":
+        torch.export.save(export_program(model, example), str(path))
+        return torch.export.load(str(path)).module()
     if fmt == "torchscript":
-        path = out / "model.ts"
-        # grad mode: keeps nn.TransformerEncoderLayer off its inference fast path, which
-        # does not trace
-        with torch.enable_grad():
-            traced = torch.jit.trace(model, example, check_trace=False)
-        traced.save(str(path))
-        loaded = torch.jit.load(str(path))
-        report["max_abs_diff"] = max(float((loaded(x) - model(x)).abs().max()) for x, _ in parity)
-    elif fmt == "onnx":
-        path = out / "model.onnx"
-        with torch.enable_grad():
-            report["exporter"] = _export_onnx(model, example, path)
-        report |= _onnxruntime_parity(path, model, parity)
-    else:
-        raise CascadeError(f"unknown export format {fmt!r} (valid: torchscript, onnx)")
-    report["path"] = str(path)
-    if quantize == "int8":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao's deprecation notice; the API still works here
-            names, skipped = _quantizable_linears(model)
-            quantized = torch.ao.quantization.quantize_dynamic(model, names, dtype=torch.qint8)
-        report["int8_linear_layers"] = {"quantized": len(names), "kept_fp32_in_transformer_layers": skipped}
-        report[f"int8_test_{metric}"] = _score(quantized, data)
-        report[f"int8_{metric}_change"] = report[f"int8_test_{metric}"] - report[f"eager_test_{metric}"]
-    (out / f"{fmt}.json").write_text(json.dumps(report, indent=2))
-    return report
+        # grad mode: see export_program; the tracer's warnings about shape checks turned
+        # constants are what the parity check on other batch sizes measures
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            torch.jit.trace(model, example, check_trace=False).save(str(path))
+        report["deprecated"] = TORCHSCRIPT_NOTE
+        return torch.jit.load(str(path))
+    with torch.enable_grad():
+        report["exporter"] = _export_onnx(model, example, path)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        report["onnxruntime"] = "not installed (pip install onnxruntime to check parity)"
+        return None
+    report["onnxruntime"] = ort.__version__
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return lambda x: torch.from_numpy(session.run(None, {name: x.numpy()})[0])
 
 
 def _export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> str:
     """torch.export-based ONNX export, falling back to the TorchScript-based exporter."""
-    names = {"input_names": ["images"], "output_names": ["logits"]}
+    names = {"input_names": ["inputs"], "output_names": ["outputs"]}
+    # one self-contained file unless the weights near protobuf's 2 GiB limit (then model.onnx.data)
+    external = sum(p.numel() * p.element_size() for p in model.parameters()) > ONNX_INLINE_BYTES
     try:
         torch.onnx.export(
-            model, (example,), str(path), **names, dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True
+            model,
+            (example,),
+            str(path),
+            **names,
+            dynamic_shapes=({0: _batch_dim()},),
+            dynamo=True,
+            external_data=external,
+            verbose=False,  # its progress lines would go to stdout, where the CLI prints the report
         )
         return "dynamo"
     except Exception:  # noqa: BLE001 - some user modules do not trace with torch.export
-        torch.onnx.export(model, (example,), str(path), **names, dynamic_axes={"images": {0: "batch"}}, dynamo=False)
+        torch.onnx.export(model, (example,), str(path), **names, dynamic_axes={"inputs": {0: "batch"}}, dynamo=False)
         return "torchscript"
 
 
-def _onnxruntime_parity(
-    path: Path, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+def input_spec(cascade: Cascade) -> dict[str, Any]:
+    """What a consumer feeds the exported model and reads from it (``input_spec.json``)."""
+    spec = cascade.spec
+    manifest = json.loads((cascade.run / "stages" / cascade.stage / MANIFEST).read_text())
+    raw_dtype = (manifest.get("data_spec") or {}).get("input_dtype")
+    return {
+        "stage": cascade.stage,
+        "input_shape": ["batch", *spec.input_shape],
+        "dtype": "float32",
+        "training_input_dtype": np.dtype(raw_dtype).name if raw_dtype else None,
+        "target_kind": spec.target_kind,
+        "output_shape": ["batch", spec.out_width],
+        "outputs": {
+            "class": "logits (softmax for probabilities)",
+            "multilabel": "logits (sigmoid per label)",
+            "regression": "values",
+        }[spec.target_kind],
+        "class_names": list(spec.class_names) if spec.class_names else None,
+        "normalization": {
+            "mean": spec.mean.tolist(),
+            "std": spec.std.tolist(),
+            "where": "inside the model: feed raw inputs on the training data's scale",
+        },
+    }
+
+
+@torch.no_grad()
+def export_run(
+    location: str | StorageDir, fmt: str = "pt2", quantize: str | None = None, stage: str | None = None
 ) -> dict[str, Any]:
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return {"onnxruntime": "not installed (pip install onnxruntime to check parity)"}
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    diff = max(float(np.abs(session.run(None, {name: x.numpy()})[0] - model(x).numpy()).max()) for x, _ in batches)
-    return {"onnxruntime": ort.__version__, "max_abs_diff": diff}
+    """Export the composed model of a finished run (or up to `stage`) and check its parity.
+
+    Args:
+        location: ``{storage_path}/{name}`` (local or ``s3://`` / ``gs://``) or ``{run}/stages/<stage>``.
+        fmt: ``pt2``, ``onnx`` or ``torchscript`` (legacy).
+        quantize: ``int8``: also report dynamic int8 quantization's effect (eager model).
+        stage: the stage whose head the model returns (default: the run's last).
+
+    Returns:
+        The report written to ``<format>.json``: paths, parity and (test split) scores.
+
+    Raises:
+        CascadeError: unknown format, a module torch.export cannot trace, or a parity failure.
+    """
+    if fmt not in FORMATS:
+        raise CascadeError(f"unknown export format {fmt!r} (valid: {', '.join(FORMATS)})")
+    cascade = load_cascade(location, stage)
+    folder = cascade.run / EXPORT_DIR
+    if cascade.stage != run_summary(cascade.run).stages[-1].name:
+        folder = folder / cascade.stage
+    inputs = parity_inputs(cascade)
+    with staged_dir(folder) as out:
+        report = _export(cascade, inputs, out, fmt, quantize, folder)
+    if report.get("parity") == "failed":
+        raise CascadeError(
+            f"{report['path']}: the {fmt} model differs from the eager model by {report['max_abs_diff']:.3g} "
+            f"(tolerance {report['parity_tolerance']:.3g}); no model was kept (report: {folder / (fmt + '.json')}); "
+            "try another --format"
+        )
+    return report
+
+
+def _export(
+    cascade: Cascade, inputs: ParityInputs, out: Path, fmt: str, quantize: str | None, folder: StorageDir
+) -> dict[str, Any]:
+    """Write the model, ``input_spec.json`` and ``<fmt>.json`` to `out` (staged for `folder`); return the report."""
+    model = cascade.composed
+    example = torch.cat(inputs.batches)[:EXAMPLE_ROWS]
+    report: dict[str, Any] = {"format": fmt, "stage": cascade.stage} | inputs.describe()
+    eager = None
+    if inputs.data is not None:
+        eager = headline_score(model, inputs.data)
+        report[f"eager_test_{HEADLINE_METRIC[inputs.data.target_kind]}"] = eager
+    path = out / FORMATS[fmt]
+    loaded = _write(fmt, model, example, path, report)
+    if loaded is not None:
+        diff, scale = max_abs_diff(loaded, model, inputs.batches)
+        tolerance = PARITY_TOLERANCE * max(1.0, scale)
+        report |= {
+            "max_abs_diff": diff,
+            "parity_tolerance": tolerance,
+            "parity": "ok" if diff <= tolerance else "failed",
+        }
+        if report["parity"] == "failed":
+            path.unlink()
+    if quantize == "int8":
+        report |= int8_figures(model, inputs, eager)
+    (out / INPUT_SPEC).write_text(json.dumps(input_spec(cascade), indent=2))
+    report |= {"path": str(folder / FORMATS[fmt]), "input_spec": str(folder / INPUT_SPEC)}
+    (out / f"{fmt}.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -205,9 +205,9 @@ def test_resume_report_and_export_of_the_cluster_run_on_s3(cluster, reference, s
     assert report.returncode == 0 and report.stdout.strip() == f"{run}/report/report.md", report.stderr[-3000:]
     export = _run([BIN / "cascade-ray", "export", run], tool_env, timeout=300)
     assert export.returncode == 0, export.stderr[-3000:]
-    assert json.loads(export.stdout)["path"] == f"{run}/export/model.ts"
+    assert json.loads(export.stdout)["path"] == f"{run}/export/model.pt2"
     keys = s3.keys("multinode/reference/debug")
-    assert {"multinode/reference/debug/report/confusion.png", "multinode/reference/debug/export/model.ts"} <= set(keys)
+    assert {"multinode/reference/debug/report/confusion.png", "multinode/reference/debug/export/model.pt2"} <= set(keys)
 
 
 def _latest_encoder_epoch(s3, prefix: str) -> tuple[int, list[str]]:

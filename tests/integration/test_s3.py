@@ -124,11 +124,11 @@ def test_report_and_export_take_the_run_uri(first_run, capsys):
     assert capsys.readouterr().out.strip() == f"{run}/report/report.md"
     assert cli.main(["export", run]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["path"] == f"{run}/export/model.ts"
+    assert report["path"] == f"{run}/export/model.pt2"
     assert report["max_abs_diff"] < 1e-4
     assert report["eager_test_accuracy"] == pytest.approx(summary["test_accuracy"])
     keys = set(s3.keys(f"{prefix}/runs/debug"))
-    names = ("report/report.md", "report/confusion.png", "report/encoder.png", "export/model.ts")
+    names = ("report/report.md", "report/confusion.png", "report/encoder.png", "export/model.pt2")
     assert {f"{prefix}/runs/debug/{name}" for name in names} <= keys
 
 
