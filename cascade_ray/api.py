@@ -6,7 +6,8 @@ run = run_pipeline("pipelines/configs/debug.yaml", storage_path="/tmp/runs", sta
 print(run["test_accuracy"], [s["status"] for s in run.stages])
 cascade = run.model()                      # or load_cascade("/tmp/runs/debug"), also s3:// / gs://
 out = cascade.predict(images)              # {"prediction": ..., "probabilities": ...}
-predict("/tmp/runs/debug", "new.parquet", "predictions.parquet")   # Ray Data, on the cluster
+report = predict("/tmp/runs/debug", "new.parquet", "predictions/")   # Ray Data, on the cluster
+print(report.rows_per_s)                   # predictions/*.parquet: prediction, probabilities
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline import driver
 from cascade_ray.pipeline.stages import StageRunner
 from cascade_ray.tools.inference import Cascade, InputError, load_cascade
+from cascade_ray.tools.predict import PredictReport, predict_file
 from cascade_ray.tune.run import SweepRunner
 from cascade_ray.tune.space import load_space
 
 __all__ = [
     "Cascade",
     "InputError",
+    "PredictReport",
     "Run",
     "RunOptions",
     "load_cascade",
     "load_config",
+    "predict",
     "run_pipeline",
     "stage_runners",
     "validate_config",
@@ -143,3 +147,19 @@ def run_pipeline(
     cfg = as_config(config, **overrides)
     options = options or RunOptions()
     return Run(driver.run_pipeline(cfg, options, runners=stage_runners(cfg, options), log=log))
+
+
+def predict(run: str | Path, data: str | Path, out: str | Path, **kwargs: Any) -> PredictReport:
+    """Batch prediction with Ray Data: every row of the Parquet `data` through the run's cascade,
+    written to the Parquet folder `out` in the input's row order (local paths or ``s3://`` /
+    ``gs://`` URIs for all three).
+
+    Keyword arguments are those of :func:`cascade_ray.tools.predict.predict_file`:
+    ``input_column``, ``batch_rows``, ``actors``, ``keep_columns``, ``overwrite``, ``address``,
+    ``stage``, ``log_level``.
+
+    Raises:
+        InputError: the input column is missing or does not fit the run (before Ray starts).
+        CascadeError: not a finished run, or `out` is not empty (and no ``overwrite=True``).
+    """
+    return predict_file(run, data, out, **kwargs)

@@ -6,6 +6,7 @@ cascade-ray run pipelines/configs/debug.yaml --profile encoder --log-level debug
 cascade-ray submit pipelines/configs/debug.yaml storage_path=s3://bucket/runs --address http://127.0.0.1:8265
 cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--json]
 cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
+cascade-ray predict s3://bucket/runs/debug --data s3://bucket/new/ --out s3://bucket/predictions/debug
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also report the test-accuracy change of dynamic int8 quantization",
     )
+    _add_predict_parser(sub)
     sub.add_parser("ls", help="list the shipped configs and search spaces")
     p = sub.add_parser("cp", help="copy a shipped config or space to edit it")
     p.add_argument("name", help="a name from `cascade-ray ls`")
@@ -215,7 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NO_CONFIG = ("report", "export", "ls", "cp", "doctor")
+def _add_predict_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="predict Parquet rows with a finished run on the cluster (Ray Data); prints a JSON report",
+    )
+    p.add_argument("run_dir", help="a finished run: {storage_path}/{name} (local, s3://, gs://)")
+    p.add_argument("--data", required=True, help="Parquet file, folder / prefix or glob (local, s3://, gs://)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output folder of Parquet files (local, s3://, gs://): prediction[, probabilities] in input row order",
+    )
+    p.add_argument("--input-column", default=None, help="input column (default: the run's data.inputs.column)")
+    p.add_argument("--keep", action="append", default=[], metavar="COLUMN", help="copy an input column (repeatable)")
+    p.add_argument("--batch-rows", type=int, default=None, help="rows per batch (default: predict_file's, 1024)")
+    p.add_argument("--actors", type=int, default=None, help="predictor actors (default: one per GPU, else CPUs - 1)")
+    p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier prediction's Parquet files in --out")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    _add_log_level(p)
+
+
+_NO_CONFIG = ("report", "export", "predict", "ls", "cp", "doctor")
 
 
 def _run_tool(args: argparse.Namespace) -> int:
@@ -230,6 +254,24 @@ def _run_tool(args: argparse.Namespace) -> int:
         from cascade_ray.tools.export import export_run
 
         print(json.dumps(export_run(args.run_dir, args.format, args.quantize), indent=2))
+    elif args.command == "predict":
+        from cascade_ray.tools.predict import predict_file
+
+        sizes = {"batch_rows": args.batch_rows} if args.batch_rows is not None else {}
+        report = predict_file(
+            args.run_dir,
+            args.data,
+            args.out,
+            input_column=args.input_column,
+            actors=args.actors,
+            keep_columns=args.keep,
+            overwrite=args.overwrite,
+            address=args.address,
+            stage=args.stage,
+            log_level=args.log_level,
+            **sizes,
+        )
+        print(report.to_json())
     elif args.command == "ls":
         from cascade_ray.tools.shipped import list_shipped
 
