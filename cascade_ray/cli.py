@@ -232,7 +232,7 @@ def _add_predict_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-column", default=None, help="input column (default: the run's data.inputs.column)")
     p.add_argument("--keep", action="append", default=[], metavar="COLUMN", help="copy an input column (repeatable)")
     p.add_argument("--batch-rows", type=int, default=None, help="rows per batch (default: predict_file's, 1024)")
-    p.add_argument("--actors", type=int, default=None, help="predictor actors (default: one per GPU, else CPUs - 1)")
+    p.add_argument("--actors", type=int, default=None, help="predictor actors (default: one per GPU, else one per CPU)")
     p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier prediction's Parquet files in --out")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")

@@ -9,7 +9,12 @@ report = predict("s3://bucket/runs/debug", "s3://bucket/new/", "s3://bucket/pred
 Before Ray starts, the driver loads the cascade once (:func:`load_cascade`: weights verified
 against the manifest) and checks the input column of every file's footer against the run's
 input spec (:func:`input_issue`). Ray Data then streams the rows through ``map_batches``
-with an actor pool of :class:`CascadePredictor` and writes Parquet.
+with an actor pool of :class:`CascadePredictor`: one work unit per input row group, which
+the actor reads, predicts and writes as ``{out}/part-<first row, 12 digits>.parquet``. The
+output folder's file names sort in the input's row order (``pq.read_table(out)`` and
+``ray.data.read_parquet(out)`` read it back in that order). Ray Data's own ``preserve_order``
+was tried first (``read_parquet`` -> ``map_batches`` -> ``write_parquet``) and did not hold:
+in Ray 2.60 a batch of an actor pool now and then came out after later ones.
 
 The weights reach the actors through the object store: the driver puts the numpy state once
 and every actor rebuilds the cascade from the run's config and that state. The alternative,
@@ -41,7 +46,7 @@ from cascade_ray.errors import CascadeError
 from cascade_ray.logs import quiet_ray_data
 from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.pipeline.driver import _init_ray
-from cascade_ray.storage import StorageDir, UriPath, as_storage, full_uri, redact
+from cascade_ray.storage import StorageDir, UriPath, as_storage, full_uri, redact, write_table
 from cascade_ray.text import did_you_mean
 from cascade_ray.tools.inference import PREDICT_BATCH_ROWS, InputError, InputSpec, assemble_cascade, load_cascade
 
@@ -101,11 +106,11 @@ def input_issue(
 
 def default_actors(resources: Mapping[str, float]) -> tuple[int, float]:
     """(actors, GPUs per actor) for a cluster's resources: one actor per GPU when it has GPUs, else
-    one per CPU but one, which is left to Ray Data's read and write tasks (at least one actor)."""
+    one per CPU (the actors read and write their row groups themselves: no Ray Data task needs a CPU)."""
     gpus = int(resources.get("GPU", 0))
     if gpus:
         return gpus, 1.0
-    return max(1, int(resources.get("CPU", 1)) - 1), 0.0
+    return max(1, int(resources.get("CPU", 1))), 0.0
 
 
 @dataclass(frozen=True)
@@ -129,10 +134,23 @@ class PredictReport:
 
 class CascadePredictor:
     """Ray Data actor: the run's cascade, rebuilt once from its re-validated config and the
-    numpy state in the object store, on the actor's GPU when Ray gave it one."""
+    numpy state in the object store (on the actor's GPU when Ray gave it one), applied to
+    work units (one input row group each): read the rows, predict in batches of
+    `batch_rows`, write ``part-<first row>.parquet``. The file names carry the row order, so
+    it holds whatever order the units finish in."""
 
     def __init__(
-        self, raw: dict[str, Any], stage: str, spec: InputSpec, state_ref: list, run: str, column: str, keep: list[str]
+        self,
+        raw: dict[str, Any],
+        stage: str,
+        spec: InputSpec,
+        state_ref: list,
+        run: str,
+        column: str,
+        keep: list[str],
+        fs: Any,
+        out: StorageDir,
+        batch_rows: int,
     ):
         from cascade_ray.checks import validate_config
 
@@ -141,9 +159,20 @@ class CascadePredictor:
         cfg = validate_config(raw, source=f"{run}/config.yaml", preflight=False)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         self.cascade = assemble_cascade(cfg, stage, spec, ray.get(state_ref[0]), as_storage(run)).to(device)
-        self.column, self.keep = column, keep
+        self.column, self.keep, self.fs, self.out, self.batch_rows = column, keep, fs, out, batch_rows
 
-    def __call__(self, table: pa.Table) -> pa.Table:
+    def __call__(self, units: pa.Table) -> pa.Table:
+        names, rows = [], []
+        for file, group, first in zip(*(units[k].to_pylist() for k in ("file", "row_group", "start")), strict=True):
+            source = pq.ParquetFile(self.fs.open_input_file(file) if self.fs else file)
+            table = source.read_row_group(group, columns=[self.column, *self.keep])
+            name = f"part-{first:012d}.parquet"
+            write_table(self.predict(table, f"{redact(file)} row group {group}"), self.out / name)
+            names.append(name)
+            rows.append(table.num_rows)
+        return pa.table({"file": names, "rows": rows})
+
+    def predict(self, table: pa.Table, at: str) -> pa.Table:
         from cascade_ray.data.stream import input_array
 
         col = table[self.column].combine_chunks()
@@ -151,11 +180,23 @@ class CascadePredictor:
             col = col.storage  # Ray's tensor type: a list of the flat values
 
         def where(row: int) -> str:
-            return f"--data: input column {self.column!r}, row {row} of a batch"
+            return f"--data: {at}, row {row}, input column {self.column!r}"
 
         x = input_array(col, self.cascade.spec.input_shape, self.column, where)
-        out = self.cascade.predict(x, batch_rows=max(len(table), 1))
+        out = self.cascade.predict(x, batch_rows=self.batch_rows)
         return pa.table({**{k: table[k] for k in self.keep}, **{k: _arrow(v) for k, v in out.items()}})
+
+
+def work_units(files: Sequence[str], footers: Sequence[pq.FileMetaData]) -> list[dict[str, Any]]:
+    """One ``{file, row_group, start}`` per non-empty row group, `start` its first row over all files."""
+    units, start = [], 0
+    for file, meta in zip(files, footers, strict=True):
+        for group in range(meta.num_row_groups):
+            n = meta.row_group(group).num_rows
+            if n:
+                units.append({"file": file, "row_group": group, "start": start})
+            start += n
+    return units
 
 
 def _arrow(values: np.ndarray) -> pa.Array:
@@ -254,11 +295,11 @@ def predict_file(
     Args:
         run: the finished run ``{storage_path}/{name}`` (or a stage artifact), local or a URI.
         data: a Parquet file, folder / prefix or glob, local or ``s3://`` / ``gs://``.
-        out: the output folder (local or a URI), written by Ray Data: one Parquet file per
-            write task, whose names sort in row order; it must not exist or be empty.
+        out: the output folder (local or a URI): one ``part-<first row>.parquet`` per input
+            row group, names sorting in row order; it must not exist or be empty.
         input_column: the column of each row's input (default: the run's ``data.inputs.column``).
         batch_rows: rows per ``map_batches`` batch (and per forward pass).
-        actors: predictor actors (default :func:`default_actors` of the cluster).
+        actors: predictor actors (default :func:`default_actors` of the cluster: one per GPU, else per CPU).
         keep_columns: input columns copied to the output (an id, say).
         overwrite: replace the Parquet files of an earlier prediction in `out`.
         address: the Ray cluster (default ``RAY_ADDRESS``, else an embedded Ray).
@@ -278,11 +319,12 @@ def predict_file(
     if batch_rows < 1:
         raise CascadeError(f"--batch-rows: {batch_rows}; give a positive number of rows")
     if actors is not None and actors < 1:
-        raise CascadeError(f"--actors: {actors}; give at least 1 (or leave it out: one per GPU, else CPUs - 1)")
+        raise CascadeError(f"--actors: {actors}; give at least 1 (or leave it out: one per GPU, else one per CPU)")
     cascade = load_cascade(run, stage=stage)
     column, keep = input_column or cascade.cfg.data.inputs.column, list(keep_columns)
     files, fs = _resolve_files(data, "--data")
-    rows = sum(m.num_rows for m in check_data(files, fs, column, cascade.spec, keep, redact(str(data))))
+    footers = check_data(files, fs, column, cascade.spec, keep, redact(str(data)))
+    rows = sum(m.num_rows for m in footers)
     target = as_storage(out, "--out")
     _prepare_out(target, files, overwrite)
     started = _init_ray(address, log_level)
@@ -298,31 +340,35 @@ def predict_file(
             "run": full_uri(cascade.run),
             "column": column,
             "keep": keep,
+            "fs": fs,
+            "out": target,
+            "batch_rows": batch_rows,
         }
         t1 = time.perf_counter()
-        ds = ray.data.read_parquet(list(files), filesystem=fs).select_columns([column, *keep])
-        ds.context.execution_options.preserve_order = True  # rows out in the order they came in
-        mapped = ds.map_batches(
+        # one unit per input row group, numbered by its first row: Ray Data's preserve_order did not
+        # hold for an actor pool in Ray 2.60 (a batch now and then came out late), so the order is
+        # carried by the output file names instead of the executor
+        todo = work_units(files, footers)
+        units = ray.data.from_items(todo, override_num_blocks=max(1, len(todo)))  # a block per unit
+        mapped = units.map_batches(
             CascadePredictor,
             fn_constructor_kwargs=kwargs,
-            batch_size=batch_rows,
+            batch_size=1,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=count),
             num_cpus=1,
             num_gpus=gpus,
         )
         try:
-            if isinstance(target, UriPath):
-                mapped.write_parquet(target.path, filesystem=target.fs)
-            else:
-                mapped.write_parquet(str(target))
+            written = mapped.take_all()
         except Exception as exc:  # noqa: BLE001 - one of ours from an actor is the useful message
             raise _ours(exc) or exc from None
+        if sum(w["rows"] for w in written) != rows:
+            raise CascadeError(f"--data: the files changed while predicting ({rows} rows in their footers)")
         seconds = time.perf_counter() - t1
     finally:
         if started:
             ray.shutdown()
-    written = list(target.rglob("*.parquet"))
     return PredictReport(
         rows=rows,
         seconds=round(seconds, 3),

@@ -13,7 +13,7 @@ from cascade_ray.cli import build_parser, main
 from cascade_ray.data.parquet import SHAPE_METADATA_KEY, write_parquet
 from cascade_ray.errors import CascadeError
 from cascade_ray.tools.inference import InputError, InputSpec
-from cascade_ray.tools.predict import _prepare_out, check_data, default_actors, input_issue, predict_file
+from cascade_ray.tools.predict import _prepare_out, check_data, default_actors, input_issue, predict_file, work_units
 
 SPEC = InputSpec((1, 8, 8), "class", 10, np.zeros((1, 1, 1), np.float32), np.ones((1, 1, 1), np.float32))
 
@@ -57,10 +57,23 @@ def test_non_numeric_inputs_are_refused():
     assert "holds string values" in input_issue(_schema(pa.list_(pa.string(), 64)), "image", SPEC)
 
 
-def test_default_actors_one_per_gpu_else_cpus_but_one():
+def test_default_actors_one_per_gpu_else_one_per_cpu():
     assert default_actors({"CPU": 16, "GPU": 4}) == (4, 1.0)
-    assert default_actors({"CPU": 8}) == (7, 0.0)
-    assert default_actors({"CPU": 1}) == (1, 0.0)
+    assert default_actors({"CPU": 8}) == (8, 0.0)
+    assert default_actors({"CPU": 0.5}) == (1, 0.0)
+
+
+def test_work_units_number_rows_over_files(tmp_path):
+    a = _digits_file(tmp_path / "a.parquet", n=10)
+    write_parquet(tmp_path / "b.parquet", np.zeros((7, 1, 8, 8), np.uint8), np.zeros(7, np.int64), row_group_rows=3)
+    footers = check_data([a, str(tmp_path / "b.parquet")], None, "image", SPEC, [], "d")
+    units = work_units([a, "b"], footers)
+    assert [(u["file"], u["row_group"], u["start"]) for u in units] == [
+        (a, 0, 0),
+        ("b", 0, 10),
+        ("b", 1, 13),
+        ("b", 2, 16),
+    ]
 
 
 def _digits_file(path, n=20, shape=(1, 8, 8)):
