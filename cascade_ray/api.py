@@ -1,12 +1,13 @@
 """The Python API: what notebooks, services and the two doors (CLI, pipeline script) call.
 
-from cascade_ray.api import load_cascade, predict, run_pipeline
+from cascade_ray.api import load_cascade, predict, run_pipeline, serve
 
 run = run_pipeline("pipelines/configs/debug.yaml", storage_path="/tmp/runs", stages__encoder__train__epochs=1)
 print(run["test_accuracy"], [s["status"] for s in run.stages])
 cascade = run.model()                      # or load_cascade("/tmp/runs/debug"), also s3:// / gs://
 out = cascade.predict(images)              # {"prediction": ..., "probabilities": ...}
-predict("/tmp/runs/debug", "new.parquet", "predictions.parquet")   # Ray Data, on the cluster
+report = predict("/tmp/runs/debug", "new.parquet", "predictions/")   # Ray Data, on the cluster
+print(report.rows_per_s)                   # predictions/*.parquet: prediction, probabilities
 serving = serve("/tmp/runs/debug", port=8000)   # Ray Serve: POST {serving.url}/predict; serve(NEW, reload=True)
 """
 
@@ -24,16 +25,19 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline import driver
 from cascade_ray.pipeline.stages import StageRunner
 from cascade_ray.tools.inference import Cascade, InputError, load_cascade
+from cascade_ray.tools.predict import PredictReport, predict_file
 from cascade_ray.tune.run import SweepRunner
 from cascade_ray.tune.space import load_space
 
 __all__ = [
     "Cascade",
     "InputError",
+    "PredictReport",
     "Run",
     "RunOptions",
     "load_cascade",
     "load_config",
+    "predict",
     "run_pipeline",
     "serve",
     "stage_runners",
@@ -167,3 +171,19 @@ def serve(run: str, *, reload: bool = False, **options: Any) -> Any:
     from cascade_ray.tools.serve_control import reload_serving, start_serving
 
     return reload_serving(run, **options) if reload else start_serving(run, **options)
+
+
+def predict(run: str | Path, data: str | Path, out: str | Path, **kwargs: Any) -> PredictReport:
+    """Batch prediction with Ray Data: every row of the Parquet `data` through the run's cascade,
+    written to the Parquet folder `out` in the input's row order (local paths or ``s3://`` /
+    ``gs://`` URIs for all three).
+
+    Keyword arguments are those of :func:`cascade_ray.tools.predict.predict_file`:
+    ``input_column``, ``batch_rows``, ``actors``, ``keep_columns``, ``overwrite``, ``address``,
+    ``stage``, ``log_level``.
+
+    Raises:
+        InputError: the input column is missing or does not fit the run (before Ray starts).
+        CascadeError: not a finished run, or `out` is not empty (and no ``overwrite=True``).
+    """
+    return predict_file(run, data, out, **kwargs)

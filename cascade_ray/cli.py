@@ -8,6 +8,7 @@ cascade-ray diagnose pipelines/configs/debug.yaml --stage encoder --steps 20 [--
 cascade-ray lr-find pipelines/configs/debug.yaml --stage features --out lr_find.png
 cascade-ray validate debug        # a shipped config by name (`cascade-ray ls`) where no such file exists
 cascade-ray serve ~/cascade-ray-runs/debug --port 8000   (then: cascade-ray serve --reload NEW_RUN --address ...)
+cascade-ray predict s3://bucket/runs/debug --data s3://bucket/new/ --out s3://bucket/predictions/debug
 """
 
 from __future__ import annotations
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stage", default=None, help="the stage whose head the model returns (default: the last)")
     _add_serve_args(sub.add_parser("serve", help="serve a finished run over HTTP with Ray Serve (or --reload it)"))
+    _add_predict_parser(sub)
     sub.add_parser("ls", help="list the shipped configs and search spaces")
     p = sub.add_parser("cp", help="copy a shipped config or space to edit it")
     p.add_argument("name", help="a name from `cascade-ray ls`")
@@ -248,7 +250,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NO_CONFIG = ("report", "export", "ls", "cp", "doctor", "serve")
+def _add_predict_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="predict Parquet rows with a finished run on the cluster (Ray Data); prints a JSON report",
+    )
+    p.add_argument("run_dir", help="a finished run: {storage_path}/{name} (local, s3://, gs://)")
+    p.add_argument("--data", required=True, help="Parquet file, folder / prefix or glob (local, s3://, gs://)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output folder of Parquet files (local, s3://, gs://): prediction[, probabilities] in input row order",
+    )
+    p.add_argument("--input-column", default=None, help="input column (default: the run's data.inputs.column)")
+    p.add_argument("--keep", action="append", default=[], metavar="COLUMN", help="copy an input column (repeatable)")
+    p.add_argument("--batch-rows", type=int, default=None, help="rows per batch (default: predict_file's, 1024)")
+    p.add_argument("--actors", type=int, default=None, help="predictor actors (default: one per GPU, else one per CPU)")
+    p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier prediction's Parquet files in --out")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    _add_log_level(p)
+
+
+_NO_CONFIG = ("report", "export", "predict", "serve", "ls", "cp", "doctor")
 
 
 def _run_tool(args: argparse.Namespace) -> int:
@@ -269,6 +293,24 @@ def _run_tool(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise CascadeError(f"serve needs Ray Serve ({exc}): pip install 'cascade-ray[serve]'") from None
         return serve_command(args)
+    elif args.command == "predict":
+        from cascade_ray.tools.predict import predict_file
+
+        sizes = {"batch_rows": args.batch_rows} if args.batch_rows is not None else {}
+        report = predict_file(
+            args.run_dir,
+            args.data,
+            args.out,
+            input_column=args.input_column,
+            actors=args.actors,
+            keep_columns=args.keep,
+            overwrite=args.overwrite,
+            address=args.address,
+            stage=args.stage,
+            log_level=args.log_level,
+            **sizes,
+        )
+        print(report.to_json())
     elif args.command == "ls":
         from cascade_ray.tools.shipped import list_shipped
 

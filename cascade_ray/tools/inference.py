@@ -298,8 +298,17 @@ def load_cascade(
         raise CascadeError(f"{run}: no stage {stage!r}{did_you_mean(stage, names)} (stages: {', '.join(names)})")
     artifact, state = read_artifact(run / "stages" / stage)
     spec = InputSpec.from_manifest(artifact.manifest.data_spec, str(artifact.path / MANIFEST))
+    model = assemble_cascade(cfg, stage, spec, state, run)
+    return model.to(device) if device else model
+
+
+def assemble_cascade(
+    cfg: PipelineConfig, stage: str, spec: InputSpec, state: Mapping[str, np.ndarray], run: StorageDir
+) -> Cascade:
+    """A :class:`Cascade` built from parts already read and verified (what :func:`load_cascade`
+    reads): the modules up to `stage`, with the numpy `state` copied in. Batch prediction's
+    actors use it with the state the driver read once and put in Ray's object store."""
     plans = require_plans(cfg, spec.input_shape, spec.out_width)
     cascade = build_cascade(cfg, plans, spec.out_width, upto=cfg.stage_index(stage))
     load_numpy_state(cascade, state)
-    model = Cascade(cfg, stage, spec, cascade, run)
-    return model.to(device) if device else model
+    return Cascade(cfg, stage, spec, cascade, run)
