@@ -125,7 +125,7 @@ def _run_locked(
     """The run itself, under the run lock: Ray, every stage, the composed-model test, the outputs."""
     if not ray.is_initialized() and not (options.address or os.environ.get("RAY_ADDRESS")):
         _check_embedded_resources(cfg)  # the embedded Ray will be this machine: fail before starting it
-    started_ray = _init_ray(options.address, options.log_level)
+    started_ray = init_ray(options.address, options.log_level)
     progress = ProgressSession.start(show=options.show_progress)  # board + display; see stage/progress.py
     log = progress.wrap(log)
     try:
@@ -200,7 +200,7 @@ def _run_locked(
     return summary
 
 
-def _init_ray(address: str | None, level: str) -> bool:
+def init_ray(address: str | None, level: str) -> bool:
     """Connect to `address`/``RAY_ADDRESS`` or start an embedded Ray; True if we started it.
 
     The env knobs reach the cluster's Train controller and workers through this driver's

@@ -45,7 +45,7 @@ from cascade_ray.data.parquet import SHAPE_METADATA_KEY, _resolve_files
 from cascade_ray.errors import CascadeError
 from cascade_ray.logs import quiet_ray_data
 from cascade_ray.models.weights import to_numpy_state
-from cascade_ray.pipeline.driver import _init_ray
+from cascade_ray.pipeline.driver import init_ray
 from cascade_ray.storage import StorageDir, UriPath, as_storage, full_uri, redact, write_table
 from cascade_ray.text import did_you_mean
 from cascade_ray.tools.inference import PREDICT_BATCH_ROWS, InputError, InputSpec, assemble_cascade, load_cascade
@@ -327,7 +327,7 @@ def predict_file(
     rows = sum(m.num_rows for m in footers)
     target = as_storage(out, "--out")
     _prepare_out(target, files, overwrite)
-    started = _init_ray(address, log_level)
+    started = init_ray(address, log_level)
     try:
         quiet_ray_data()
         count, gpus = default_actors(ray.cluster_resources())

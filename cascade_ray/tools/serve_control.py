@@ -21,7 +21,7 @@ import ray
 from ray import serve
 
 from cascade_ray.errors import CascadeError
-from cascade_ray.pipeline.driver import _init_ray  # one way to start or join Ray, shared with the pipeline
+from cascade_ray.pipeline.driver import init_ray  # one way to start or join Ray, shared with the pipeline
 from cascade_ray.storage import as_storage, parse_uri
 from cascade_ray.tools.serve import ServeConfig, build_app, incompatibility, load_served
 
@@ -80,7 +80,7 @@ def start_serving(
         log_level=_serve_log_level(log_level),
     )
     served = load_served(config.run, stage)  # fail here, before Ray, on a bad run
-    started = _init_ray(address, log_level)
+    started = init_ray(address, log_level)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": config.log_level})
     try:
         serve.run(build_app(config), name=name, route_prefix="/")
@@ -115,7 +115,7 @@ def reload_serving(
     location = run_location(run)
     new = load_served(location, stage)  # verified here: a damaged run never reaches the replicas
     if not ray.is_initialized():
-        _init_ray(address, "warning")
+        init_ray(address, "warning")
     apps = serve.status().applications
     if name not in apps:
         raise CascadeError(f"serve: no app {name!r} on this cluster (apps: {', '.join(apps) or 'none'}); pass --name")
