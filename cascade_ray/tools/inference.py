@@ -233,7 +233,15 @@ def resolve_run(location: str | StorageDir) -> tuple[StorageDir, str | None]:
 
 
 def read_run_config(run: StorageDir) -> PipelineConfig:
-    """The run's resolved ``config.yaml``, read without touching what it trained from.
+    """The run's resolved ``config.yaml`` (see :func:`usable_config`)."""
+    file = run / CONFIG_FILE
+    if not file.is_file():
+        raise CascadeError(f"{run} is not a finished run (no {CONFIG_FILE}): pass {{storage_path}}/{{name}}")
+    return usable_config(yaml.safe_load(file.read_text()), str(file))
+
+
+def usable_config(raw: Any, source: str) -> PipelineConfig:
+    """A trained run's config, read without touching what it trained from.
 
     Only the schema pass runs (the run was fully validated when it trained), and
     ``pretrained`` files are left out (the artifact holds the weights), so the config loads
@@ -242,17 +250,17 @@ def read_run_config(run: StorageDir) -> PipelineConfig:
     """
     from cascade_ray.config.loader import parse_config
 
-    file = run / CONFIG_FILE
-    if not file.is_file():
-        raise CascadeError(f"{run} is not a finished run (no {CONFIG_FILE}): pass {{storage_path}}/{{name}}")
-    raw = yaml.safe_load(file.read_text())
+    if isinstance(raw, PipelineConfig):
+        raw = raw.model_dump(mode="json")
     if not isinstance(raw, dict):
-        raise ArtifactError(f"{file}: not a mapping; the run's config is damaged")
+        raise ArtifactError(f"{source}: not a mapping; the run's config is damaged")
     issues: list[ConfigIssue] = []
     cfg, _ = parse_config(raw, issues)
     if issues or cfg is None:
         problems = "; ".join(issue.render() for issue in issues[:3])
-        raise ArtifactError(f"{file}: not a config this version reads ({problems}); retrain the run with this version")
+        raise ArtifactError(
+            f"{source}: not a config this version reads ({problems}); retrain the run with this version"
+        )
     stages = [s.model_copy(update={"pretrained": None}) for s in cfg.stages]
     return cfg.model_copy(update={"stages": stages})
 
@@ -289,7 +297,7 @@ def load_cascade(
         ArtifactError: damaged files (a weights hash or tensor digest that does not match).
     """
     run, named = resolve_run(location)
-    cfg = cfg or read_run_config(run)
+    cfg = usable_config(cfg, "cfg") if cfg is not None else read_run_config(run)
     stage = stage or named or run_summary(run).stages[-1].name
     names = [s.name for s in cfg.stages]
     if stage not in names:

@@ -48,7 +48,14 @@ from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.pipeline.driver import init_ray
 from cascade_ray.storage import StorageDir, UriPath, as_storage, full_uri, redact, write_table
 from cascade_ray.text import did_you_mean
-from cascade_ray.tools.inference import PREDICT_BATCH_ROWS, InputError, InputSpec, assemble_cascade, load_cascade
+from cascade_ray.tools.inference import (
+    PREDICT_BATCH_ROWS,
+    InputError,
+    InputSpec,
+    assemble_cascade,
+    load_cascade,
+    usable_config,
+)
 
 OUTPUT_COLUMNS = ("prediction", "probabilities")
 _LIST_TYPES = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
@@ -152,11 +159,9 @@ class CascadePredictor:
         out: StorageDir,
         batch_rows: int,
     ):
-        from cascade_ray.checks import validate_config
-
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(max(1, int(cpus)))  # N actors x all cores would oversubscribe them
-        cfg = validate_config(raw, source=f"{run}/config.yaml", preflight=False)
+        cfg = usable_config(raw, f"{run}/config.yaml")  # re-checked here, at the process boundary
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         self.cascade = assemble_cascade(cfg, stage, spec, ray.get(state_ref[0]), as_storage(run)).to(device)
         self.column, self.keep, self.fs, self.out, self.batch_rows = column, keep, fs, out, batch_rows

@@ -78,3 +78,17 @@ def test_prediction_columns_per_target_kind():
     reg = prediction_columns(out[:, :1], "regression")
     assert reg["prediction"].tolist() == [2.0, -3.0] and "probabilities" not in reg  # (N, 1) -> (N,)
     assert prediction_columns(out, "regression")["prediction"].shape == (2, 3)
+
+
+def test_a_run_config_loads_without_its_pretrained_file(debug_raw, tmp_path):
+    from cascade_ray.tools.inference import usable_config
+
+    debug_raw["stages"][0]["pretrained"] = {"path": str(tmp_path / "gone.safetensors"), "prefix": "features."}
+    debug_raw["stages"][0]["train"]["epochs"] = 0  # an import-only stage, whose file is not on this machine
+    cfg = usable_config(debug_raw, "config.yaml")
+    assert cfg.stages[0].pretrained is None and cfg.stages[0].train.epochs == 0
+    assert usable_config(cfg, "cfg").stages[0].pretrained is None  # a validated config too
+    with pytest.raises(ArtifactError, match="config.yaml: not a mapping"):
+        usable_config(["stages"], "config.yaml")
+    with pytest.raises(ArtifactError, match="not a config this version reads"):
+        usable_config({**debug_raw, "stagez": []}, "config.yaml")
