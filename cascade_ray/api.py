@@ -14,7 +14,7 @@ serving = serve("/tmp/runs/debug", port=8000)   # Ray Serve: POST {serving.url}/
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,25 +45,23 @@ __all__ = [
 ]
 
 
-class Run(Mapping[str, Any]):
-    """A finished (or ``stop_after``) pipeline run: its summary, read like the ``summary.json`` dict.
+class Run(dict[str, Any]):
+    """A finished (or ``stop_after``) pipeline run: the ``summary.json`` dict itself, plus its model.
 
-    ``run["test_accuracy"]``, ``run.stages`` (one record per stage: status, metrics, artifact,
-    fingerprint, ...), ``run.run_dir`` and ``run.model()`` (the trained cascade, loaded from the
-    run's files).
+    ``run["test_accuracy"]`` and ``json.dumps(run)`` work as on the summary; ``run.stages``
+    (one record per stage: status, metrics, artifact, fingerprint, ...), ``run.run_dir``,
+    ``run.cfg`` (the config it ran) and ``run.model()`` (the trained cascade, loaded from the
+    run's files) are added.
     """
 
-    def __init__(self, summary: dict[str, Any], cfg: PipelineConfig):
-        self.summary, self.cfg = summary, cfg
+    def __init__(self, summary: Mapping[str, Any], cfg: PipelineConfig):
+        super().__init__(summary)
+        self.cfg = cfg
 
-    def __getitem__(self, key: str) -> Any:
-        return self.summary[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.summary)
-
-    def __len__(self) -> int:
-        return len(self.summary)
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The summary as a plain dict."""
+        return dict(self)
 
     def __repr__(self) -> str:
         stages = ", ".join(f"{s['name']} {s['status']}" for s in self.stages)
@@ -72,16 +70,16 @@ class Run(Mapping[str, Any]):
     @property
     def stages(self) -> list[dict[str, Any]]:
         """One record per stage that ran, in pipeline order."""
-        return list(self.summary["stages"])
+        return list(self["stages"])
 
     @property
     def run_dir(self) -> str:
         """``{storage_path}/{name}``: where the run's artifacts are."""
-        return str(self.summary["storage"])
+        return str(self["storage"])
 
     def model(self, stage: str | None = None, device: str | None = None) -> Cascade:
         """The trained cascade up to the last stage (or `stage`), from the run's own files."""
-        if "test_loss" in self.summary:  # a full run: its config.yaml has the swept values too
+        if "test_loss" in self:  # a full run: its config.yaml has the swept values too
             return load_cascade(self.run_dir, stage=stage, device=device)
         # a stop_after run writes no config.yaml or summary.json: the last stage that ran predicts
         stage = stage or self.stages[-1]["name"]

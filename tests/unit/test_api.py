@@ -41,3 +41,16 @@ def test_keyword_overrides_use_double_underscores_and_reach_the_schema():
         as_config(CONFIGS / "debug.yaml", stages__encoder__solver__lr="fast")
     with pytest.raises(ConfigError, match="sede"):
         as_config(cfg.model_dump(mode="json"), sede=1)
+
+
+def test_a_run_is_its_summary_dict_plus_the_model():
+    import json
+
+    from cascade_ray.api import Run
+
+    cfg = load_config(CONFIGS / "debug.yaml")
+    run = Run({"name": "debug", "stages": [{"name": "features", "status": "trained"}], "storage": "/runs/debug"}, cfg)
+    run["elapsed_s"] = 1.5  # callers annotate and dump it like the dict it always was
+    assert json.loads(json.dumps(run))["elapsed_s"] == 1.5 and isinstance(run, dict)
+    assert run.run_dir == "/runs/debug" and run.stages[0]["status"] == "trained" and run.cfg is cfg
+    assert repr(run) == "Run(/runs/debug: features trained)"
