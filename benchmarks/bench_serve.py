@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--run", default=None, help="a finished run (default: train the debug pipeline first)")
     parser.add_argument("--requests", type=int, default=400, help="requests per measured side (default 400)")
     parser.add_argument("--port", type=int, default=18631)
+    parser.add_argument(
+        "--batch-wait-ms", type=float, default=5.0, help="the deployment's batch wait (default 5, as the CLI)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -124,7 +127,7 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
-        serving = start_serving(run, port=args.port, log_level="warning")
+        serving = start_serving(run, port=args.port, log_level="warning", batch_wait_ms=args.batch_wait_ms)
         _load(args.port, bodies[:50], 4)  # warm-up: connections, the first batches
         for clients in (1, 16):
             latencies, wall, errors = _load(args.port, bodies, clients)
