@@ -16,6 +16,7 @@ the weights.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -155,7 +156,11 @@ class Cascade:
                         f"inputs must be numbers shaped (N, {', '.join(map(str, shape))}); "
                         f"got {'ragged or mixed values' if array.dtype == object else array.dtype}"
                     )
-                x = torch.from_numpy(np.ascontiguousarray(array))
+                with warnings.catch_warnings():
+                    # a read-only array (Arrow / object-store memory) is never written: every step
+                    # below makes new tensors, so torch's non-writable warning does not apply
+                    warnings.simplefilter("ignore", UserWarning)
+                    x = torch.from_numpy(np.ascontiguousarray(array))
         except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, InputError):
                 raise
