@@ -134,7 +134,12 @@ def test_cli_run_flags_reach_the_driver(monkeypatch, tmp_path):
     from cascade_ray.cli import main
 
     seen = {}
-    monkeypatch.setattr(api.driver, "run_pipeline", lambda cfg, options, **kw: seen.update(cfg=cfg, options=options))
+
+    def fake_driver(cfg, options, **kw):  # records what reached it; returns a summary, as the driver does
+        seen.update(cfg=cfg, options=options)
+        return {"name": cfg.name, "stages": [], "storage": str(tmp_path)}
+
+    monkeypatch.setattr(api.driver, "run_pipeline", fake_driver)
     monkeypatch.setattr(logging.getLogger("ray"), "level", logging.getLogger("ray").level)
     assert (
         main(["run", str(CONFIGS / "debug.yaml"), "--log-level", "warning", "--profile", f"storage_path={tmp_path}"])
