@@ -76,29 +76,9 @@ def trained_run(tmp_path_factory):
     """A finished debug run (1 epoch per stage) for the tools that use one (predict, serve, export,
     load_cascade): trained once per test session by the real CLI in a subprocess with its own
     embedded Ray, which exits before the modules' own Ray sessions start."""
-    import subprocess
+    from runs import train_debug_run
 
-    storage = tmp_path_factory.mktemp("trained")
-    overrides = [f"storage_path={storage}"] + [f"stages[{i}].train.epochs=1" for i in range(3)]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cascade_ray.cli",
-            "run",
-            str(CONFIGS / "debug.yaml"),
-            *overrides,
-            "--log-level",
-            "warning",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = storage / "debug"
-    assert (run / "summary.json").is_file()
-    return run
+    return train_debug_run(tmp_path_factory.mktemp("trained"))
 
 
 @pytest.fixture

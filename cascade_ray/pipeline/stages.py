@@ -244,19 +244,33 @@ class StageSession:
             # what the worker's device made of precision auto / memory format / compile
             **{k: outcome.get(k) for k in DEVICE_KEYS},
         )
-        artifact = write_artifact(self.artifact_dir(index), state, fields)
         cache = self.cache_of(index)
+        return self._persist(
+            index,
+            state,
+            fields,
+            "trained",
+            started,
+            feature_cache=cache.record() if cache is not None else None,
+            resumed_from_epoch=outcome.get("resumed_from_epoch"),
+        )
+
+    def _persist(
+        self, index: int, state: NumpyState, fields: ManifestFields, status: str, started: float, **extra: Any
+    ) -> tuple[dict[str, Any], Handoff]:
+        """Write stage `index`'s artifact; its record (`extra`: the record's own optional fields) and hand-off."""
+        stage = self.cfg.stages[index]
+        artifact = write_artifact(self.artifact_dir(index), state, fields)
         record = StageRecord.from_manifest(
             artifact.manifest,
             name=stage.name,
             type=stage.type,
-            status="trained",
+            status=status,
             wall_s=round(time.perf_counter() - started, 2),
             artifact=str(artifact.path),
-            feature_cache=cache.record() if cache is not None else None,
-            resumed_from_epoch=outcome.get("resumed_from_epoch"),
+            **extra,
         ).to_json()
-        return record, Handoff(state, ray.put(state), fp)  # one put; every worker of the next stage reads it
+        return record, Handoff(state, ray.put(state), fields.fingerprint)  # one put; every next-stage worker reads it
 
     def _import(
         self, index: int, upstream: Handoff | None, *, fp: str, started: float
@@ -292,16 +306,7 @@ class StageSession:
             frozen_digest=state_digests(state),  # all of it: an imported stage trains nothing
             data_spec=self.data_spec or None,
         )
-        artifact = write_artifact(self.artifact_dir(index), state, fields)
-        record = StageRecord.from_manifest(
-            artifact.manifest,
-            name=stage.name,
-            type=stage.type,
-            status="imported",
-            wall_s=round(time.perf_counter() - started, 2),
-            artifact=str(artifact.path),
-        ).to_json()
-        return record, Handoff(state, ray.put(state), fp)
+        return self._persist(index, state, fields, "imported", started)
 
     def _reuse(self, index: int, fp: str) -> tuple[dict[str, Any], Handoff] | None:
         """The stored artifact when its fingerprint matches and it verifies; None to retrain."""

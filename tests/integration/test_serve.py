@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -20,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from paths import CONFIGS
+from runs import train_debug_run
 
 from cascade_ray.errors import CascadeError
 from cascade_ray.tools.inference import load_cascade
@@ -52,25 +50,7 @@ def _predict(url: str, rows) -> tuple[int, dict, str]:
 @pytest.fixture(scope="module")
 def second_run(tmp_path_factory):
     """Model B: the debug pipeline again with another seed (same pipeline and spec, other weights)."""
-    storage = tmp_path_factory.mktemp("second")
-    overrides = [f"storage_path={storage}", "seed=1"] + [f"stages[{i}].train.epochs=1" for i in range(3)]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cascade_ray.cli",
-            "run",
-            str(CONFIGS / "debug.yaml"),
-            *overrides,
-            "--log-level",
-            "warning",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return storage / "debug"
+    return train_debug_run(tmp_path_factory.mktemp("second"), "seed=1")
 
 
 @pytest.fixture(scope="module")
