@@ -1,8 +1,11 @@
-"""Soak: five debug pipelines and a 16-trial sweep in one Ray session leave nothing behind.
+"""Soak: three debug pipelines and a 16-trial sweep in one Ray session leave nothing behind.
 
 Stages are cut to a few optimizer steps (`max_steps`): what is soaked is the machinery
 (object store hand-offs, Train controllers, worker groups, placement groups, Tune trial
-actors), not the training.
+actors), not the training. Three pipelines are the least that shows a steady state (the first
+sets it, the next two must not grow from it); five ran before, with the same outcome. The sweep
+keeps 16 trials: it is where the trial-actor deadlock of Ray 2.60 showed (docs/benchmarks.md,
+incident notes).
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ def _snapshot():
     }
 
 
-def test_five_pipelines_and_a_16_trial_sweep_leave_nothing_behind(ray_session, tmp_path):
+def test_three_pipelines_and_a_16_trial_sweep_leave_nothing_behind(ray_session, tmp_path):
     baseline = _snapshot()
     after = []
-    for run in range(5):
+    for run in range(3):
         cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", f"name=soak-{run}", *SHORT])
         summary = run_pipeline(cfg, log=lambda _: None)
         assert [s["status"] for s in summary["stages"]] == ["trained"] * 3
