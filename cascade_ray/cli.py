@@ -38,6 +38,19 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="key=value",
         help="overrides, e.g. stages[0].solver.lr=3e-4 or stages.encoder.train.epochs=2",
     )
+    add_trust_arg(p)
+
+
+def add_trust_arg(p: argparse.ArgumentParser) -> None:
+    """``--trust MODULE`` (repeatable): packages a config's import paths may name; shared with the pipeline script."""
+    p.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="allow model.type / loss.type import paths from this package (repeatable; added to trusted_modules; "
+        "never the standard library). Its callables run: see docs/security.md",
+    )
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -334,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in _NO_CONFIG:
             return _run_tool(args)
         args.config = resolve_config(args.config)  # a file path wins over a shipped name
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, trust=args.trust)
         if args.command == "validate":
             from cascade_ray.checks.reach import reach_issues
             from cascade_ray.errors import ConfigError
