@@ -157,6 +157,16 @@ def _add_in_process_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_run_trust(p: argparse.ArgumentParser) -> None:
+    """``--trust`` and ``--untrusted-run`` of the commands that load a finished run (its config.yaml is code)."""
+    add_trust_arg(p)
+    p.add_argument(
+        "--untrusted-run",
+        action="store_true",
+        help="ignore the run's own trusted_modules (a run you did not write): only --trust packages may be imported",
+    )
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     """``cascade-ray serve``: start a Ray Serve app of a run, or reload a running one (tools/serve_control.py)."""
     p.add_argument("run", nargs="?", help="a finished run {storage_path}/{name} (or s3:// / gs:// URI) to serve")
@@ -170,6 +180,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
     p.add_argument("--name", default="cascade", help="Serve application name (default cascade)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    _add_run_trust(p)
     p.add_argument(
         "--watch",
         default=None,
@@ -249,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also report the effect of dynamic int8 quantization (on the eager model; the file stays fp32)",
     )
     p.add_argument("--stage", default=None, help="the stage whose head the model returns (default: the last)")
+    _add_run_trust(p)
     _add_serve_args(sub.add_parser("serve", help="serve a finished run over HTTP with Ray Serve (or --reload it)"))
     _add_predict_parser(sub)
     sub.add_parser("ls", help="list the shipped configs and search spaces")
@@ -282,6 +294,7 @@ def _add_predict_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier prediction's Parquet files in --out")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    _add_run_trust(p)
     _add_log_level(p)
 
 
@@ -299,7 +312,10 @@ def _run_tool(args: argparse.Namespace) -> int:
 
         from cascade_ray.tools.export import export_run
 
-        print(json.dumps(export_run(args.run_dir, args.format, args.quantize, args.stage), indent=2))
+        report = export_run(
+            args.run_dir, args.format, args.quantize, args.stage, trust=args.trust, trust_run=not args.untrusted_run
+        )
+        print(json.dumps(report, indent=2))
     elif args.command == "serve":
         try:
             from cascade_ray.tools.serve_control import serve_command
@@ -321,6 +337,8 @@ def _run_tool(args: argparse.Namespace) -> int:
             address=args.address,
             stage=args.stage,
             log_level=args.log_level,
+            trust=args.trust,
+            trust_run=not args.untrusted_run,
             **sizes,
         )
         print(report.to_json())
