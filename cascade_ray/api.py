@@ -96,7 +96,7 @@ def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRu
             raise ConfigError(
                 [ConfigIssue("stage", f"the space sweeps stage {space.stage!r}, asked for stage {stage!r}")], str(path)
             )
-        runners[stage] = SweepRunner(space, str(path), resume=options.resume)
+        runners[stage] = SweepRunner(space, str(path), resume=options.resume, trust_state=options.trust_tune_state)
     return runners
 
 

@@ -85,7 +85,17 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="train again over a finished run ({run}/summary.json) without --resume, rewriting its outputs",
     )
     _add_break_lock(p)
+    _add_trust_tune_state(p)
     _add_log_level(p)
+
+
+def _add_trust_tune_state(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-tune-state",
+        action="store_true",
+        help="with --resume: restore a sweep whose Tune state (tuner.pkl, unpickled) does not match the sha256 "
+        "sidecar cascade-ray wrote; only for a folder you wrote yourself (docs/security.md)",
+    )
 
 
 def _add_break_lock(p: argparse.ArgumentParser) -> None:
@@ -142,6 +152,7 @@ def run_options(args: argparse.Namespace, cfg: PipelineConfig) -> RunOptions:
         spaces=spaces,
         break_lock=args.break_lock,
         overwrite=args.overwrite,
+        trust_tune_state=args.trust_tune_state,
     )
 
 
@@ -205,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
     _add_break_lock(p)
+    _add_trust_tune_state(p)
     _add_log_level(p)
     p = sub.add_parser(
         "submit",
@@ -421,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spaces=((stage, args.space),),
                 stop_after=stage,
                 break_lock=args.break_lock,
+                trust_tune_state=args.trust_tune_state,
             )
         else:
             options = run_options(args, cfg)
