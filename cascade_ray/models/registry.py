@@ -71,8 +71,9 @@ def _import_callable(type_name: str, trusted: Iterable[str] = ()) -> Callable[..
             raise ModelSpecError(
                 f"model type {type_name!r}: '{part}' is the module '{obj.__name__}', which is not trusted"
             )
-    owner = getattr(obj, "__module__", None)
-    if isinstance(owner, str) and module_refusal(owner) is not None:  # `mypkg:system` after `from os import system`
+    # `mypkg:system` after `from os import system`; only functions and classes say where they were defined
+    owner = getattr(obj, "__module__", None) if inspect.isroutine(obj) or inspect.isclass(obj) else None
+    if isinstance(owner, str) and module_refusal(owner) is not None:
         raise ModelSpecError(
             f"model type {type_name!r}: '{attr_path}' comes from the standard library ('{owner}'), "
             "which is never importable from a config"
