@@ -14,7 +14,7 @@ serving = serve("/tmp/runs/debug", port=8000)   # Ray Serve: POST {serving.url}/
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRu
             raise ConfigError(
                 [ConfigIssue("stage", f"the space sweeps stage {space.stage!r}, asked for stage {stage!r}")], str(path)
             )
-        runners[stage] = SweepRunner(space, str(path), resume=options.resume)
+        runners[stage] = SweepRunner(space, str(path), resume=options.resume, trust_state=options.trust_tune_state)
     return runners
 
 
@@ -113,17 +113,21 @@ def _override_items(overrides: Mapping[str, Any]) -> list[str]:
     return items
 
 
-def as_config(config: PipelineConfig | str | Path | Mapping[str, Any], **overrides: Any) -> PipelineConfig:
-    """A validated config from a YAML path, a mapping or a config, with keyword overrides applied."""
+def as_config(
+    config: PipelineConfig | str | Path | Mapping[str, Any], *, trust: Sequence[str] = (), **overrides: Any
+) -> PipelineConfig:
+    """A validated config from a YAML path, a mapping or a config, with keyword overrides applied
+    and the `trust` packages added to its ``trusted_modules``."""
     items = _override_items(overrides)
     if isinstance(config, (str, Path)):
-        return load_config(config, items)
+        return load_config(config, items, trust=trust)
+    from cascade_ray.checks.validate import add_trust
     from cascade_ray.config.yaml_io import apply_overrides
 
     raw = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else dict(config)
-    if isinstance(config, PipelineConfig) and not items:
+    if isinstance(config, PipelineConfig) and not items and not trust:
         return config
-    issues = apply_overrides(raw, items)
+    issues = apply_overrides(raw, items) + add_trust(raw, trust, key="trust")
     return validate_config(raw, source="api", issues=issues)
 
 
@@ -132,6 +136,7 @@ def run_pipeline(
     options: RunOptions | None = None,
     *,
     log: Callable[[str], None] = print,
+    trust: Sequence[str] = (),
     **overrides: Any,
 ) -> Run:
     """Train (and, for stages in ``options.spaces``, sweep) every stage, then evaluate the composed model.
@@ -140,6 +145,8 @@ def run_pipeline(
         config: a YAML path, a config mapping or a validated :class:`PipelineConfig`.
         options: how the run behaves (cluster address, resume, sweeps, ...).
         log: where progress lines go.
+        trust: packages whose ``package.module:Callable`` model / loss types the config may
+            name (``--trust``), added to its ``trusted_modules``; never the standard library.
         **overrides: config overrides, ``__`` between keys: ``seed=3``,
             ``stages__encoder__solver__lr=3e-4`` (a stage by name or index).
 
@@ -152,7 +159,7 @@ def run_pipeline(
             resources the cluster does not have.
         CascadeError: a stage failed (earlier stages' artifacts stay, ``resume`` reuses them).
     """
-    cfg = as_config(config, **overrides)
+    cfg = as_config(config, trust=trust, **overrides)
     options = options or RunOptions()
     summary = driver.run_pipeline(cfg, options, runners=stage_runners(cfg, options), log=log)
     return Run(summary, cfg)

@@ -38,6 +38,19 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="key=value",
         help="overrides, e.g. stages[0].solver.lr=3e-4 or stages.encoder.train.epochs=2",
     )
+    add_trust_arg(p)
+
+
+def add_trust_arg(p: argparse.ArgumentParser) -> None:
+    """``--trust MODULE`` (repeatable): packages a config's import paths may name; shared with the pipeline script."""
+    p.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="allow model.type / loss.type import paths from this package (repeatable; added to trusted_modules; "
+        "never the standard library). Its callables run: see docs/security.md",
+    )
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +85,17 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="train again over a finished run ({run}/summary.json) without --resume, rewriting its outputs",
     )
     _add_break_lock(p)
+    _add_trust_tune_state(p)
     _add_log_level(p)
+
+
+def _add_trust_tune_state(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-tune-state",
+        action="store_true",
+        help="with --resume: restore a sweep whose Tune state (tuner.pkl, unpickled) does not match the sha256 "
+        "sidecar cascade-ray wrote; only for a folder you wrote yourself (docs/security.md)",
+    )
 
 
 def _add_break_lock(p: argparse.ArgumentParser) -> None:
@@ -129,6 +152,7 @@ def run_options(args: argparse.Namespace, cfg: PipelineConfig) -> RunOptions:
         spaces=spaces,
         break_lock=args.break_lock,
         overwrite=args.overwrite,
+        trust_tune_state=args.trust_tune_state,
     )
 
 
@@ -141,6 +165,16 @@ def _add_in_process_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--device", default=None, help="cpu, cuda, ... (default: cuda if the stage uses a GPU and one is here)"
+    )
+
+
+def _add_run_trust(p: argparse.ArgumentParser) -> None:
+    """``--trust`` and ``--untrusted-run`` of the commands that load a finished run (its config.yaml is code)."""
+    add_trust_arg(p)
+    p.add_argument(
+        "--untrusted-run",
+        action="store_true",
+        help="ignore the run's own trusted_modules (a run you did not write): only --trust packages may be imported",
     )
 
 
@@ -157,6 +191,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
     p.add_argument("--name", default="cascade", help="Serve application name (default cascade)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    _add_run_trust(p)
     p.add_argument(
         "--watch",
         default=None,
@@ -181,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
     _add_break_lock(p)
+    _add_trust_tune_state(p)
     _add_log_level(p)
     p = sub.add_parser(
         "submit",
@@ -236,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also report the effect of dynamic int8 quantization (on the eager model; the file stays fp32)",
     )
     p.add_argument("--stage", default=None, help="the stage whose head the model returns (default: the last)")
+    _add_run_trust(p)
     _add_serve_args(sub.add_parser("serve", help="serve a finished run over HTTP with Ray Serve (or --reload it)"))
     _add_predict_parser(sub)
     sub.add_parser("ls", help="list the shipped configs and search spaces")
@@ -269,6 +306,7 @@ def _add_predict_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stage", default=None, help="the stage whose head predicts (default: the run's last)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier prediction's Parquet files in --out")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
+    _add_run_trust(p)
     _add_log_level(p)
 
 
@@ -286,7 +324,10 @@ def _run_tool(args: argparse.Namespace) -> int:
 
         from cascade_ray.tools.export import export_run
 
-        print(json.dumps(export_run(args.run_dir, args.format, args.quantize, args.stage), indent=2))
+        report = export_run(
+            args.run_dir, args.format, args.quantize, args.stage, trust=args.trust, trust_run=not args.untrusted_run
+        )
+        print(json.dumps(report, indent=2))
     elif args.command == "serve":
         try:
             from cascade_ray.tools.serve_control import serve_command
@@ -308,6 +349,8 @@ def _run_tool(args: argparse.Namespace) -> int:
             address=args.address,
             stage=args.stage,
             log_level=args.log_level,
+            trust=args.trust,
+            trust_run=not args.untrusted_run,
             **sizes,
         )
         print(report.to_json())
@@ -334,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in _NO_CONFIG:
             return _run_tool(args)
         args.config = resolve_config(args.config)  # a file path wins over a shipped name
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, trust=args.trust)
         if args.command == "validate":
             from cascade_ray.checks.reach import reach_issues
             from cascade_ray.errors import ConfigError
@@ -390,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spaces=((stage, args.space),),
                 stop_after=stage,
                 break_lock=args.break_lock,
+                trust_tune_state=args.trust_tune_state,
             )
         else:
             options = run_options(args, cfg)

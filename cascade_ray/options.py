@@ -37,6 +37,8 @@ class RunOptions:
     overwrite: bool = False
     """Train again over a finished run (``{run}/summary.json``) without ``resume``; every file
     the run writes is rewritten (``--overwrite``)."""
+    trust_tune_state: bool = False
+    """Restore sweeps without checking their Tune state's sha256 sidecar (``--trust-tune-state``)."""
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:

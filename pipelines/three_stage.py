@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cascade_ray.api import load_config, run_pipeline
-from cascade_ray.cli import add_run_args, parse_args, run_options
+from cascade_ray.cli import add_run_args, add_trust_arg, parse_args, run_options
 from cascade_ray.config.metrics import HEADLINE_METRIC
 from cascade_ray.errors import CascadeError
 from cascade_ray.logs import apply_log_level
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=str(DEFAULT_CONFIG), help="pipeline YAML, or a shipped config's name (default: %(default)s)"
     )
     add_run_args(parser)
+    add_trust_arg(parser)
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages[0].train.epochs=1"
     )
@@ -56,7 +57,7 @@ def main() -> int:
     args = parse_args(build_parser())
     try:
         # 1. the plan: config + overrides, validated with the shape preflight (no Ray yet)
-        cfg = load_config(resolve_config(args.config), args.overrides)  # a file, or a shipped name
+        cfg = load_config(resolve_config(args.config), args.overrides, trust=args.trust)  # a file, or a shipped name
         options = run_options(args, cfg)  # --tune DIR, --profile, --resume, --log-level, --address
         apply_log_level(options.log_level)
         print(f"config {args.config}: {' -> '.join(s.name for s in cfg.stages)}", flush=True)

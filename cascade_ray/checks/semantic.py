@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from cascade_ray.checks.params import param_group_issues
 from cascade_ray.config.metrics import epoch_metric_names
 from cascade_ray.config.schema import NormalizeStats, PipelineConfig, StageConfig
+from cascade_ray.config.trust import import_refusal, module_refusal, trust_fix
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models import ModelSpecError, check_kwargs, resolve_factory
 from cascade_ray.models.pretrained import file_issue
@@ -19,7 +20,7 @@ from cascade_ray.text import did_you_mean
 
 def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
     """Every cross-field problem in a schema-valid config."""
-    issues = _data_issues(cfg) + _storage_issues(cfg.storage_path) + _finite_issues(cfg)
+    issues = _data_issues(cfg) + _storage_issues(cfg.storage_path) + _finite_issues(cfg) + _trust_issues(cfg)
     seen: dict[str, int] = {}
     for i, stage in enumerate(cfg.stages):
         path = f"stages[{i}]"
@@ -32,7 +33,8 @@ def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
                 )
             )
         seen.setdefault(stage.name, i)
-        issues += _stage_issues(stage, i, path, [s.name for s in cfg.stages[:i]]) + _metric_issues(cfg, stage, path)
+        upstream = [s.name for s in cfg.stages[:i]]
+        issues += _stage_issues(stage, i, path, upstream, cfg.trusted_modules) + _metric_issues(cfg, stage, path)
     if not issues:  # needs buildable stages: param-group patterns against the real parameter names (meta device)
         issues += param_group_issues(cfg)
     return issues
@@ -139,7 +141,25 @@ def _metric_issues(cfg: PipelineConfig, stage: StageConfig, path: str) -> list[C
     return issues
 
 
-def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]) -> list[ConfigIssue]:
+def _trust_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
+    """``trusted_modules`` entries that are not module names, or are in the standard library."""
+    issues = []
+    for i, name in enumerate(cfg.trusted_modules):
+        problem = module_refusal(name)
+        if problem is not None:
+            issues.append(
+                ConfigIssue(
+                    f"trusted_modules[{i}]",
+                    problem,
+                    "remove it; list only your own (or vetted) packages whose factories the config names",
+                )
+            )
+    return issues
+
+
+def _stage_issues(
+    stage: StageConfig, index: int, path: str, upstream: list[str], trusted: list[str]
+) -> list[ConfigIssue]:
     issues = stage_solver_issues(stage, path)  # solver, precision, early stopping
     if stage.type == "module":
         if stage.model is None:
@@ -147,7 +167,7 @@ def _stage_issues(stage: StageConfig, index: int, path: str, upstream: list[str]
                 ConfigIssue(f"{path}.model", "a stage of type 'module' needs a model", "add model: {type: resnet, ...}")
             )
         else:
-            issues += _model_issues(stage, path)
+            issues += _model_issues(stage, path, trusted)
         if stage.loss.weighting != "static":
             issues.append(
                 ConfigIssue(
@@ -252,10 +272,14 @@ def cache_refusals(stage: StageConfig, index: int, path: str) -> list[tuple[str,
     return refusals
 
 
-def _model_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
+def _model_issues(stage: StageConfig, path: str, trusted: list[str]) -> list[ConfigIssue]:
     assert stage.model is not None
+    if ":" in stage.model.type:
+        refusal = import_refusal(stage.model.type, trusted)
+        if refusal is not None:  # decided from the string: nothing is imported
+            return [ConfigIssue(f"{path}.model.type", refusal, trust_fix(stage.model.type))]
     try:
-        factory = resolve_factory(stage.model.type)
+        factory = resolve_factory(stage.model.type, trusted)
     except ModelSpecError as exc:
         fix = (
             "check the spelling; the module must be importable on the driver and on every Ray worker (installed, or in the job's working_dir)"

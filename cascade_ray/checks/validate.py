@@ -22,20 +22,53 @@ from typing import Any
 from cascade_ray.checks.semantic import semantic_issues
 from cascade_ray.config.loader import parse_config, sorted_issues, stage_index
 from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.config.trust import module_refusal
 from cascade_ray.config.yaml_io import apply_overrides, read_yaml
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models.plan import shape_issues
 
 
-def load_config(path: str | Path, overrides: typing.Sequence[str] = (), *, preflight: bool = True) -> PipelineConfig:
+def load_config(
+    path: str | Path,
+    overrides: typing.Sequence[str] = (),
+    *,
+    preflight: bool = True,
+    trust: typing.Sequence[str] = (),
+) -> PipelineConfig:
     """Read a YAML config, apply ``key=value`` overrides and validate everything.
+
+    Args:
+        path: the YAML file.
+        overrides: ``key=value`` items.
+        preflight: also run the meta-device shape preflight.
+        trust: ``--trust`` modules, added to the config's ``trusted_modules`` (so a run's
+            saved ``config.yaml`` carries them).
 
     Raises:
         ConfigError: listing every problem found, each with its key path.
     """
     raw = read_yaml(path)
     issues = apply_overrides(raw, list(overrides))
+    issues += add_trust(raw, trust)
     return validate_config(raw, source=str(path), preflight=preflight, issues=issues)
+
+
+def add_trust(raw: dict[str, Any], trust: typing.Sequence[str], key: str = "--trust") -> list[ConfigIssue]:
+    """Add the `trust` module names to ``raw["trusted_modules"]``; the issues of names that cannot be trusted.
+
+    A refused name (the standard library, not a dotted name) is reported under `key` and not added.
+    """
+    issues, good = [], []
+    for name in trust:
+        problem = module_refusal(name)
+        if problem is None:
+            good.append(name)
+        else:
+            issues.append(ConfigIssue(key, problem, f"drop {key} {str(name)[:80]}; trust only your own packages"))
+    listed = raw.get("trusted_modules", [])
+    if good and isinstance(listed, list):  # anything else is the schema pass's to report
+        raw["trusted_modules"] = [*listed, *(n for n in good if n not in listed)]
+    return issues
 
 
 def validate_config(

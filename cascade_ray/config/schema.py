@@ -727,6 +727,13 @@ class PipelineConfig(_Strict):
     )
     data: DataConfig = Field(default_factory=DataConfig, description="The data section.")
     stages: list[StageConfig] = Field(min_length=1, description="Stages, in training order.")
+    trusted_modules: list[str] = Field(
+        default_factory=list,
+        description="Packages whose callables model.type / loss.type import paths (package.module:Callable) may "
+        "name, besides cascade_ray's own: trusting mypkg allows mypkg.models:Net. Each is code cascade-ray will "
+        "import and call, so list only packages you trust; the standard library is never allowed. "
+        "`--trust MODULE` adds to it. See docs/security.md.",
+    )
 
     def stage_index(self, name: str) -> int:
         """Index of the stage called `name` (KeyError when absent)."""

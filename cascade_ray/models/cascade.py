@@ -153,7 +153,7 @@ def build_cascade(cfg: PipelineConfig, plans: Sequence[StagePlan], num_classes: 
         stage = cfg.stages[cfg.stage_index(name)]
         plan = by_name[name]
         assert stage.model is not None  # validated: module stages have a model
-        blocks[name] = build_module(stage.model.type, stage.model.kwargs())
+        blocks[name] = build_module(stage.model.type, stage.model.kwargs(), cfg.trusted_modules)
         adapter = build_adapter(stage.adapter, plan.in_shape, plan.adapter_width)
         if adapter is not None:
             adapters[name] = adapter

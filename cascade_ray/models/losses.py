@@ -12,10 +12,13 @@ regression ``(B, dim)`` float32; outputs are always ``(B, out_width)``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from cascade_ray.config.schema import LossConfig
+from cascade_ray.config.trust import import_refusal, trust_fix
 from cascade_ray.models.registry import ModelSpecError, _import_callable
 from cascade_ray.text import did_you_mean
 
@@ -29,11 +32,14 @@ def loss_type(cfg: LossConfig, kind: str) -> str:
     return DEFAULT_LOSS[kind] if cfg.type == "auto" else cfg.type
 
 
-def build_loss(cfg: LossConfig, kind: str, *, training: bool = True) -> nn.Module:
+def build_loss(cfg: LossConfig, kind: str, *, training: bool = True, trusted: Sequence[str] = ()) -> nn.Module:
     """The loss module of a stage on targets of `kind`; `training` False leaves out label smoothing (evaluation).
 
+    ``trusted`` is the config's ``trusted_modules``: packages a ``package.module:Callable`` may come from.
+
     Raises:
-        ModelSpecError: a ``package.module:Callable`` cannot be imported or returns no module.
+        ModelSpecError: a ``package.module:Callable`` is refused by the trust rule (nothing
+            imported), cannot be imported or returns no module.
     """
     cfg = cfg.model_copy(update={"type": loss_type(cfg, kind)})
     if cfg.type == "cross_entropy":
@@ -44,7 +50,7 @@ def build_loss(cfg: LossConfig, kind: str, *, training: bool = True) -> nn.Modul
         return nn.MSELoss()
     if cfg.type == "huber":
         return nn.HuberLoss(delta=cfg.huber_delta)
-    factory = _import_callable(cfg.type)
+    factory = _import_callable(cfg.type, trusted)
     try:
         loss = factory()
     except Exception as exc:  # user code fails in its own words
@@ -65,7 +71,9 @@ def example_targets(kind: str, batch: int, width: int, device: str | torch.devic
     return torch.zeros(batch, width, dtype=torch.float32, device=device)
 
 
-def loss_issue(cfg: LossConfig, kind: str, out_width: int) -> tuple[str, str, str | None] | None:
+def loss_issue(
+    cfg: LossConfig, kind: str, out_width: int, trusted: Sequence[str] = ()
+) -> tuple[str, str, str | None] | None:
     """The problem with using loss `cfg` on targets of `kind`, or None: ``(key, message, fix)``.
 
     Keys are relative to the stage (``loss.type``, ``loss.label_smoothing``); the message
@@ -87,8 +95,11 @@ def loss_issue(cfg: LossConfig, kind: str, out_width: int) -> tuple[str, str, st
         valid = ", ".join(BUILTIN_LOSSES)
         hint = did_you_mean(cfg.type, list(BUILTIN_LOSSES))
         return "loss.type", f"unknown loss {cfg.type!r}{hint} (valid: {valid}, or package.module:Callable)", None
+    refusal = import_refusal(cfg.type, trusted)
+    if refusal is not None:  # decided before anything is imported
+        return "loss.type", refusal, trust_fix(cfg.type)
     try:
-        loss = build_loss(cfg, kind)
+        loss = build_loss(cfg, kind, trusted=trusted)
         with torch.device("meta"):
             out = loss(torch.empty(2, out_width), example_targets(kind, 2, out_width))
     except Exception as exc:  # noqa: BLE001 - user losses fail in their own words

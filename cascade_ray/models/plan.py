@@ -68,7 +68,7 @@ def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
     width = data_out_width(cfg.data)
     issues = []
     for i, stage in enumerate(cfg.stages):
-        problem = loss_issue(stage.loss, cfg.data.target.kind, width)
+        problem = loss_issue(stage.loss, cfg.data.target.kind, width, cfg.trusted_modules)
         if problem is not None:
             key, message, fix = problem
             issues.append(ConfigIssue(f"stages[{i}].{key}", f"stage {stage.name!r}: {message}", fix))
@@ -125,7 +125,7 @@ def plan_chain(
         for i, stage in enumerate(cfg.stages):
             if stage.type != "module" or stage.model is None:
                 continue
-            plan, issue, module = _plan_stage(stage, i, shape, producer, num_classes)
+            plan, issue, module = _plan_stage(stage, i, shape, producer, num_classes, cfg.trusted_modules)
             if issue is not None:
                 issues.append(issue)
                 break  # downstream shapes are unknown once one stage does not fit
@@ -138,13 +138,18 @@ def plan_chain(
 
 
 def _plan_stage(
-    stage: StageConfig, index: int, in_shape: tuple[int, ...], producer: str, num_classes: int
+    stage: StageConfig,
+    index: int,
+    in_shape: tuple[int, ...],
+    producer: str,
+    num_classes: int,
+    trusted: Sequence[str] = (),
 ) -> tuple[StagePlan, ConfigIssue | None, torch.nn.Module | None]:
     """The stage's shapes, or the issue that stops the chain; and its module (on meta) when it fits."""
     assert stage.model is not None
     path = f"stages[{index}]"
     try:
-        module = build_module(stage.model.type, stage.model.kwargs())
+        module = build_module(stage.model.type, stage.model.kwargs(), trusted)
     except Exception as exc:  # noqa: BLE001 - user factories fail in their own words
         return (
             _fail(stage, in_shape),

@@ -2,7 +2,9 @@
 
 A type is a builtin name (``resnet``, ``transformer``, ``mlp``) or an import path
 ``package.module:Callable`` whose callable returns an ``nn.Module``. Nothing else is
-accepted: an unknown name is an error, never a file path or a fallback.
+accepted: an unknown name is an error, never a file path or a fallback. An import path is
+checked against the trust rule (:mod:`cascade_ray.config.trust`: cascade-ray's own package
+or a trusted one, never the standard library) before anything is imported.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
+from cascade_ray.config.trust import import_refusal, is_trusted, module_refusal
 from cascade_ray.errors import CascadeError
 from cascade_ray.models.mlp import mlp
 from cascade_ray.models.resnet import resnet
@@ -38,10 +41,18 @@ def _did_you_mean(name: str, options: Sequence[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _import_callable(type_name: str) -> Callable[..., Any]:
+def _import_callable(type_name: str, trusted: Iterable[str] = ()) -> Callable[..., Any]:
+    """Import ``package.module:Callable`` after the trust rule allows the string (refused: nothing imported).
+
+    Raises:
+        ModelSpecError: refused by the trust rule, not importable, no such attribute, the
+            attribute path runs through a module that is not trusted, or not callable.
+    """
+    trusted = tuple(trusted)
+    refusal = import_refusal(type_name, trusted)
+    if refusal is not None:
+        raise ModelSpecError(refusal)
     module_name, _, attr_path = type_name.partition(":")
-    if not module_name or not attr_path:
-        raise ModelSpecError(f"model type {type_name!r} must look like 'package.module:Callable'")
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # the user's module may fail with anything while importing
@@ -55,6 +66,18 @@ def _import_callable(type_name: str) -> Callable[..., Any]:
                 f"model type {type_name!r}: '{module_name}' has no attribute '{attr_path}'{_did_you_mean(part, public)}"
             )
         obj = getattr(obj, part)
+        # `mypkg:os.system`: a trusted module's own imports are not trusted with it
+        if inspect.ismodule(obj) and (module_refusal(obj.__name__) or not is_trusted(obj.__name__, trusted)):
+            raise ModelSpecError(
+                f"model type {type_name!r}: '{part}' is the module '{obj.__name__}', which is not trusted"
+            )
+    # `mypkg:system` after `from os import system`; only functions and classes say where they were defined
+    owner = getattr(obj, "__module__", None) if inspect.isroutine(obj) or inspect.isclass(obj) else None
+    if isinstance(owner, str) and module_refusal(owner) is not None:
+        raise ModelSpecError(
+            f"model type {type_name!r}: '{attr_path}' comes from the standard library ('{owner}'), "
+            "which is never importable from a config"
+        )
     if not callable(obj):
         raise ModelSpecError(
             f"model type {type_name!r}: '{attr_path}' is a {type(obj).__name__}, not a callable returning an nn.Module"
@@ -62,23 +85,25 @@ def _import_callable(type_name: str) -> Callable[..., Any]:
     return obj
 
 
-def resolve_factory(type_name: str) -> Callable[..., nn.Module]:
+def resolve_factory(type_name: str, trusted: Iterable[str] = ()) -> Callable[..., nn.Module]:
     """Return the factory for a model type.
 
     Args:
         type_name: a builtin name or ``"package.module:Callable"``.
+        trusted: the config's ``trusted_modules``: packages whose callables an import path
+            may name, besides cascade-ray's own.
 
     Returns:
         The callable; call it with the config's keyword arguments.
 
     Raises:
-        ModelSpecError: unknown builtin (with the nearest name), module not importable,
-            attribute missing, or not callable.
+        ModelSpecError: unknown builtin (with the nearest name), refused by the trust rule
+            (before anything is imported), module not importable, attribute missing, or not callable.
     """
     if not isinstance(type_name, str) or not type_name:
         raise ModelSpecError(f"model type must be a non-empty string, got {type_name!r}")
     if ":" in type_name:
-        return _import_callable(type_name)
+        return _import_callable(type_name, trusted)
     if type_name in BUILTIN_MODELS:
         return BUILTIN_MODELS[type_name]
     raise ModelSpecError(
@@ -133,15 +158,16 @@ def check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], *, name
     return problems
 
 
-def build_module(type_name: str, kwargs: Mapping[str, Any]) -> nn.Module:
-    """Resolve ``type_name``, check ``kwargs`` against it and build the module.
+def build_module(type_name: str, kwargs: Mapping[str, Any], trusted: Iterable[str] = ()) -> nn.Module:
+    """Resolve ``type_name`` (``trusted``: the config's ``trusted_modules``), check ``kwargs`` against it
+    and build the module.
 
     Raises:
         ModelSpecError: the type cannot be resolved, the arguments do not fit, the
             factory rejects them (its ValueError/TypeError is chained), or it does not
             return an ``nn.Module``.
     """
-    factory = resolve_factory(type_name)
+    factory = resolve_factory(type_name, trusted)
     problems = check_kwargs(factory, kwargs, name=type_name)
     if problems:
         raise ModelSpecError("\n".join(problems))

@@ -305,7 +305,9 @@ def evaluate_composed(cfg: PipelineConfig, data: DataSplits | StreamedData, stat
         )
     head = model.order[-1]
     metrics = EvalMetrics(
-        data.target_kind, data.out_width, build_loss(cfg.stages[-1].loss, data.target_kind, training=False)
+        data.target_kind,
+        data.out_width,
+        build_loss(cfg.stages[-1].loss, data.target_kind, training=False, trusted=cfg.trusted_modules),
     )
     labels, predictions = [], []
     for x, y in batches:

@@ -82,7 +82,11 @@ def _val_metrics(cfg: PipelineConfig, index: int, model: torch.nn.Module, data: 
     """The stage's own head on the validation split: the ``val_`` metrics of the target kind."""
     stage = cfg.stages[index]
     source = ArraySource(data.x_val, data.y_val, data.mean, data.std, torch.device("cpu"))
-    metrics = EvalMetrics(data.target_kind, data.out_width, build_loss(stage.loss, data.target_kind, training=False))
+    metrics = EvalMetrics(
+        data.target_kind,
+        data.out_width,
+        build_loss(stage.loss, data.target_kind, training=False, trusted=cfg.trusted_modules),
+    )
     for x, y in source.eval_epoch(stage.train.eval_batch_size, rank=0, world=1):
         metrics.update(model(x, heads=[stage.name])[stage.name], y)
     return metrics.compute(lambda v: v, prefix="val_")

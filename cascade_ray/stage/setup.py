@@ -195,8 +195,8 @@ def setup_stage(
         memory_format=memory_format,
         memory_format_reason=format_why,
         compiled=compiled,
-        criterion=build_loss(stage.loss, data.target_kind),
-        eval_loss=build_loss(stage.loss, data.target_kind, training=False),
+        criterion=build_loss(stage.loss, data.target_kind, trusted=cfg.trusted_modules),
+        eval_loss=build_loss(stage.loss, data.target_kind, training=False, trusted=cfg.trusted_modules),
         target_kind=data.target_kind,
         out_width=data.out_width,
     )

@@ -171,7 +171,13 @@ def input_spec(cascade: Cascade) -> dict[str, Any]:
 
 @torch.no_grad()
 def export_run(
-    location: str | StorageDir, fmt: str = "pt2", quantize: str | None = None, stage: str | None = None
+    location: str | StorageDir,
+    fmt: str = "pt2",
+    quantize: str | None = None,
+    stage: str | None = None,
+    *,
+    trust: list[str] | tuple[str, ...] = (),
+    trust_run: bool = True,
 ) -> dict[str, Any]:
     """Export the composed model of a finished run (or up to `stage`) and check its parity.
 
@@ -180,6 +186,7 @@ def export_run(
         fmt: ``pt2``, ``onnx`` or ``torchscript`` (legacy).
         quantize: ``int8``: also report dynamic int8 quantization's effect (eager model).
         stage: the stage whose head the model returns (default: the run's last).
+        trust, trust_run: as :func:`load_cascade` (``--trust``, ``--untrusted-run``).
 
     Returns:
         The report written to ``<format>.json``: paths, parity and (test split) scores.
@@ -189,7 +196,7 @@ def export_run(
     """
     if fmt not in FORMATS:
         raise CascadeError(f"unknown export format {fmt!r} (valid: {', '.join(FORMATS)})")
-    cascade = load_cascade(location, stage)
+    cascade = load_cascade(location, stage, trust=trust, trust_run=trust_run)
     folder = cascade.run / EXPORT_DIR
     if cascade.stage != run_summary(cascade.run).stages[-1].name:
         folder = folder / cascade.stage

@@ -17,7 +17,7 @@ the weights.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import yaml
 from torch import nn
 
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.errors import ArtifactError, CascadeError, ConfigIssue
+from cascade_ray.errors import ArtifactError, CascadeError, ConfigError, ConfigIssue
 from cascade_ray.models.cascade import CascadeModel, build_cascade
 from cascade_ray.models.metrics import output_predictions, output_probabilities
 from cascade_ray.models.plan import require_plans
@@ -270,6 +270,28 @@ def usable_config(raw: Any, source: str) -> PipelineConfig:
     return cfg.model_copy(update={"stages": stages})
 
 
+def with_trust(cfg: PipelineConfig, trust: Sequence[str] = (), trust_run: bool = True) -> PipelineConfig:
+    """`cfg` with its ``trusted_modules`` replaced by (the run's own, when `trust_run`) + `trust`.
+
+    Raises:
+        ConfigError: a `trust` entry that can never be trusted (the standard library), under ``--trust``,
+            or, with `trust_run`, a run's own entry of that kind (a tampered ``config.yaml``).
+    """
+    from cascade_ray.config.trust import module_refusal
+
+    own = list(cfg.trusted_modules) if trust_run else []
+    issues = [
+        ConfigIssue(key, problem, "trust only your own packages")
+        for key, names in (("trusted_modules", own), ("--trust", list(trust)))
+        for problem in map(module_refusal, names)
+        if problem is not None
+    ]
+    if issues:
+        raise ConfigError(issues)
+    merged = [*own, *(name for name in trust if name not in own)]
+    return cfg if merged == cfg.trusted_modules else cfg.model_copy(update={"trusted_modules": merged})
+
+
 def run_summary(run: StorageDir) -> RunSummary:
     """The run's validated ``summary.json``, or a :class:`CascadeError` saying the run is not finished."""
     if not (run / SUMMARY_FILE).is_file():
@@ -286,8 +308,14 @@ def load_cascade(
     device: str | None = None,
     *,
     cfg: PipelineConfig | None = None,
+    trust: Sequence[str] = (),
+    trust_run: bool = True,
 ) -> Cascade:
     """The trained cascade of a run, up to its last stage (or `stage`).
+
+    A run's ``config.yaml`` is code: its ``model.type`` import paths are imported and called
+    (within its ``trusted_modules``; never the standard library). Load a run you did not
+    write with ``trust_run=False``: then only `trust` (and cascade-ray's own models) count.
 
     Args:
         location: ``{storage_path}/{name}`` (local folder or ``s3://`` / ``gs://`` URI), or a
@@ -296,6 +324,10 @@ def load_cascade(
         device: where the model runs (default cpu).
         cfg: the run's config, when the caller has it (a ``stop_after`` run writes no
             ``config.yaml``); default: read ``{run}/config.yaml``.
+        trust: packages whose callables the config may name, beyond what it trusts itself
+            (``--trust``); refused names (the standard library) are an error.
+        trust_run: honor the run's own ``trusted_modules`` (default; your own runs); False
+            for a run from elsewhere (``--untrusted-run``).
 
     Raises:
         CascadeError: not a finished run, or no such stage.
@@ -303,6 +335,7 @@ def load_cascade(
     """
     run, named = resolve_run(location)
     cfg = usable_config(cfg, "cfg") if cfg is not None else read_run_config(run)
+    cfg = with_trust(cfg, trust, trust_run)
     stage = stage or named or run_summary(run).stages[-1].name
     names = [s.name for s in cfg.stages]
     if stage not in names:

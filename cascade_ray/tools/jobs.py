@@ -103,6 +103,7 @@ def job_entrypoint(args: argparse.Namespace, storage_path: str) -> tuple[str, st
         "--config",
         str(config.relative_to(workdir)),
         *args.overrides,
+        *(f"--trust={name}" for name in getattr(args, "trust", [])),
         *(["--resume"] if args.resume else []),
         *(["--overwrite"] if args.overwrite else []),
         *(["--break-lock"] if args.break_lock else []),

@@ -294,6 +294,8 @@ def predict_file(
     address: str | None = None,
     stage: str | None = None,
     log_level: str = "warning",
+    trust: Sequence[str] = (),
+    trust_run: bool = True,
 ) -> PredictReport:
     """Predict every row of Parquet `data` with the run's cascade; write Parquet to the folder `out`.
 
@@ -310,6 +312,8 @@ def predict_file(
         address: the Ray cluster (default ``RAY_ADDRESS``, else an embedded Ray).
         stage: the stage whose head predicts (default the run's last).
         log_level: as ``--log-level`` of ``cascade-ray run``.
+        trust, trust_run: as :func:`load_cascade` (``--trust``, ``--untrusted-run``); the
+            actors get the config with the trusted list this settles.
 
     Returns:
         The :class:`PredictReport`. The output holds, in the input's row order, the kept
@@ -325,7 +329,7 @@ def predict_file(
         raise CascadeError(f"--batch-rows: {batch_rows}; give a positive number of rows")
     if actors is not None and actors < 1:
         raise CascadeError(f"--actors: {actors}; give at least 1 (or leave it out: one per GPU, else one per CPU)")
-    cascade = load_cascade(run, stage=stage)
+    cascade = load_cascade(run, stage=stage, trust=trust, trust_run=trust_run)
     column, keep = input_column or cascade.cfg.data.inputs.column, list(keep_columns)
     files, fs = _resolve_files(data, "--data")
     footers = check_data(files, fs, column, cascade.spec, keep, redact(str(data)))

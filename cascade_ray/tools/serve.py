@@ -55,6 +55,8 @@ class ServeConfig(BaseModel):
     log_level: Literal["DEBUG", "WARNING"] = Field(
         default="WARNING", description="Serve's log level for the replicas (DEBUG adds the access log)."
     )
+    trust: list[str] = Field(default_factory=list, description="--trust: packages the run's config may import from.")
+    trust_run: bool = Field(default=True, description="Honor the run's own trusted_modules (off: --untrusted-run).")
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,14 @@ class Served:
         }
 
 
-def load_served(run: str, stage: str | None = None) -> Served:
-    """Load a run for serving (weights verified); its fingerprint from the stage's manifest."""
-    cascade = load_cascade(run, stage=stage)
+def load_served(
+    run: str, stage: str | None = None, trust: list[str] | tuple[str, ...] = (), trust_run: bool = True
+) -> Served:
+    """Load a run for serving (weights verified); its fingerprint from the stage's manifest.
+
+    `trust` and `trust_run` are those of :func:`load_cascade`.
+    """
+    cascade = load_cascade(run, stage=stage, trust=trust, trust_run=trust_run)
     manifest = read_manifest(cascade.run / "stages" / cascade.stage / MANIFEST)
     return Served(cascade, run, manifest.fingerprint, cascade.cfg.name)
 
@@ -160,7 +167,7 @@ class CascadeDeployment:
                 return  # a batching change only
             try:
                 # loaded in a thread beside the old model: the event loop keeps answering requests
-                new = await asyncio.to_thread(load_served, config.run, config.stage)
+                new = await asyncio.to_thread(load_served, config.run, config.stage, config.trust, config.trust_run)
                 why = incompatibility(self.model.info(), new.info()) if self.model is not None else None
                 if why:
                     raise CascadeError(why)

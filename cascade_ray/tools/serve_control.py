@@ -61,6 +61,8 @@ def start_serving(
     name: str = "cascade",
     address: str | None = None,
     log_level: str = "info",
+    trust: list[str] | tuple[str, ...] = (),
+    trust_run: bool = True,
 ) -> Serving:
     """Deploy the cascade of `run` on Ray Serve (embedded Ray unless `address` / ``RAY_ADDRESS``).
 
@@ -78,8 +80,10 @@ def start_serving(
         max_rows=max_rows,
         replicas=replicas,
         log_level=_serve_log_level(log_level),
+        trust=list(trust),
+        trust_run=trust_run,
     )
-    served = load_served(config.run, stage)  # fail here, before Ray, on a bad run
+    served = load_served(config.run, stage, config.trust, config.trust_run)  # fail here, before Ray, on a bad run
     started = init_ray(address, log_level)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": config.log_level})
     try:
@@ -104,6 +108,8 @@ def reload_serving(
     stage: str | None = None,
     address: str | None = None,
     log: Callable[[str], None] = print,
+    trust: list[str] | tuple[str, ...] = (),
+    trust_run: bool = True,
 ) -> dict[str, Any]:
     """Swap the app `name` to `run` in place; returns the new model's identity.
 
@@ -113,7 +119,7 @@ def reload_serving(
             serving its model.
     """
     location = run_location(run)
-    new = load_served(location, stage)  # verified here: a damaged run never reaches the replicas
+    new = load_served(location, stage, trust, trust_run)  # verified here: a damaged run never reaches the replicas
     if not ray.is_initialized():
         init_ray(address, "warning")
     apps = serve.status().applications
@@ -124,7 +130,7 @@ def reload_serving(
     if why:
         raise CascadeError(f"serve: reload refused: {why}; still serving {current['model']['run']}")
     old = ServeConfig.model_validate(current["config"])
-    config = old.model_copy(update={"run": location, "stage": stage})
+    config = old.model_copy(update={"run": location, "stage": stage, "trust": list(trust), "trust_run": trust_run})
     log(f"reloading {name}: {current['model']['run']} -> {location}")
     serve.run(build_app(config), name=name, route_prefix="/")
     deadline = time.monotonic() + RELOAD_TIMEOUT_S
@@ -160,7 +166,7 @@ def _stop(name: str, started_ray: bool) -> None:
         serve.delete(name)
 
 
-def _follow(pointer: str, watched: str | None, name: str, stage: str | None) -> str | None:
+def _follow(pointer: str, watched: str | None, name: str, stage: str | None, args: Any = None) -> str | None:
     """One poll of ``--watch``: reload when the pointer names another run; returns the run it named.
 
     A bad pointer or run is printed and not retried until the pointer changes again; the app
@@ -174,7 +180,8 @@ def _follow(pointer: str, watched: str | None, name: str, stage: str | None) -> 
     if target == watched:
         return watched
     try:
-        reload_serving(target, name=name, stage=stage)
+        trust = {"trust": args.trust, "trust_run": not args.untrusted_run} if args is not None else {}
+        reload_serving(target, name=name, stage=stage, **trust)
     except CascadeError as exc:
         print(f"error: {exc}")
     return target
@@ -183,7 +190,14 @@ def _follow(pointer: str, watched: str | None, name: str, stage: str | None) -> 
 def serve_command(args: Any) -> int:
     """``cascade-ray serve``: reload (and return), or start and block until Ctrl-C, polling ``--watch``."""
     if args.reload:
-        identity = reload_serving(args.reload, name=args.name, stage=args.stage, address=args.address)
+        identity = reload_serving(
+            args.reload,
+            name=args.name,
+            stage=args.stage,
+            address=args.address,
+            trust=args.trust,
+            trust_run=not args.untrusted_run,
+        )
         print(f"reloaded {args.name}: {identity['run']} (stage {identity['stage']}, {identity['fingerprint'][:12]})")
         return 0
     if not args.run:
@@ -201,6 +215,8 @@ def serve_command(args: Any) -> int:
         name=args.name,
         address=args.address,
         log_level=args.log_level,
+        trust=args.trust,
+        trust_run=not args.untrusted_run,
     )
     print(f"serving {serving.model['run']} (stage {serving.model['stage']}) at {serving.url}")
     print(f'  curl -s {serving.url}/predict -H "content-type: application/json" -d \'{{"inputs": [[...]]}}\'')
@@ -212,7 +228,7 @@ def serve_command(args: Any) -> int:
             time.sleep(args.watch_interval if args.watch else 3600)
             if not args.watch:
                 continue
-            watched = _follow(args.watch, watched, serving.name, args.stage)
+            watched = _follow(args.watch, watched, serving.name, args.stage, args)
     except KeyboardInterrupt:
         print("stopping")
     finally:

@@ -23,6 +23,7 @@ from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.space import TuneSpace
+from cascade_ray.tune.state import write_state
 from cascade_ray.tune.sweep import build_tuner, trial_config
 
 CONFIG_PREFIX = "config/"
@@ -53,10 +54,13 @@ class SweepRunner:
     space: TuneSpace
     space_file: str
     resume: bool = False
+    trust_state: bool = False  # --trust-tune-state: restore without checking the sidecar
 
     def __call__(self, session: StageSession, index: int, upstream: Handoff | None) -> StageOutcome:
         started = time.perf_counter()
-        outcome = sweep_stage(session, self.space, self.space_file, upstream, resume=self.resume)
+        outcome = sweep_stage(
+            session, self.space, self.space_file, upstream, resume=self.resume, trust_state=self.trust_state
+        )
         session.log(format_results(outcome, self.space.metric))
         cfg, record, handoff = adopt_best(session, index, upstream, outcome, started=started)
         record["sweep"] = SweepRecord(
@@ -66,7 +70,13 @@ class SweepRunner:
 
 
 def sweep_stage(
-    session: StageSession, space: TuneSpace, space_file: str, upstream: Handoff | None, *, resume: bool
+    session: StageSession,
+    space: TuneSpace,
+    space_file: str,
+    upstream: Handoff | None,
+    *,
+    resume: bool,
+    trust_state: bool = False,
 ) -> SweepOutcome:
     """Run one stage's sweep on top of `upstream` (frozen, one object-store copy for all trials)."""
     exp_dir = session.out / "tune" / space.stage
@@ -83,8 +93,10 @@ def sweep_stage(
         features_ref=cache.ref if cache is not None and not streamed else None,
         options=session.options,
         stream=(cache or session.stream) if streamed else None,
+        trust_state=trust_state,
     )
     grid = tuner.fit()
+    write_state(exp_dir)  # Ray's final state is synced by now: what a later --resume verifies
     frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)
     errors = [r.error for r in grid if r.error is not None]
     if frame.empty or space.metric not in frame:

@@ -29,6 +29,7 @@ from cascade_ray.pipeline.fit import fit_stage, worker_resources
 from cascade_ray.ray_compat import uncount_asha_stop, wait_for_tune_reports_taken
 from cascade_ray.storage import StorageDir, as_storage, full_uri
 from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
+from cascade_ray.tune.state import StateDigestCallback, verify_state
 
 TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
 INPUTS_FILE = "inputs.json"
@@ -190,9 +191,14 @@ def build_tuner(
     features_ref: ray.ObjectRef | None = None,
     options: RunOptions | None = None,
     stream: Any = None,
+    trust_state: bool = False,
 ) -> tune.Tuner:
     """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists); every trial
     reads the same data, upstream and (when the stage caches them) upstream-feature objects.
+
+    Before a restore, the Tune state is checked against the sha256 sidecar cascade-ray wrote
+    (:mod:`cascade_ray.tune.state`; `trust_state`: ``--trust-tune-state`` skips it), so Ray
+    unpickles nothing that cascade-ray did not write.
 
     Trials run with the run's log level; they have no progress board and are not profiled."""
     stage = cfg.stages[cfg.stage_index(space.stage)]
@@ -211,6 +217,8 @@ def build_tuner(
         stream=stream,
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
+    if resume:
+        verify_state(exp_dir, trust_state=trust_state)  # before Ray opens a byte of it
     if resume and tune.Tuner.can_restore(full_uri(exp_dir / "tune")):
         return tune.Tuner.restore(
             full_uri(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True
@@ -243,5 +251,7 @@ def build_tuner(
             # and replaced instead, as without reuse
             reuse_actors=True,
         ),
-        run_config=tune.RunConfig(name="tune", storage_path=full_uri(exp_dir), verbose=0),
+        run_config=tune.RunConfig(
+            name="tune", storage_path=full_uri(exp_dir), verbose=0, callbacks=[StateDigestCallback(exp_dir)]
+        ),
     )

@@ -92,6 +92,7 @@ def test_frozen_drift_in_a_worker_is_an_error_in_the_driver(ray_session, tmp_pat
         CONFIGS / "debug.yaml",
         [
             f"storage_path={tmp_path}",
+            "trusted_modules=[user_models]",
             "stages[0].model={type: 'user_models:drifting', in_features: 64, width: 64}",
             "stages[0].train.epochs=1",
             "stages[1].model={type: mlp, in_features: 64, hidden: [16]}",

@@ -27,6 +27,7 @@ def _config(storage, weights) -> dict:
     return {
         "name": "transfer",
         "storage_path": str(storage),
+        "trusted_modules": ["user_models"],
         "data": {"source": "digits", "val_fraction": 0.2},
         "stages": [
             {

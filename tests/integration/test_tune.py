@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 import time
 from pathlib import Path
 
@@ -13,8 +15,10 @@ from paths import CONFIGS, ROOT
 from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
 from cascade_ray.config.yaml_io import read_yaml
-from cascade_ray.errors import ConfigError
+from cascade_ray.errors import ArtifactError, ConfigError
+from cascade_ray.storage import as_storage
 from cascade_ray.tune.space import load_space
+from cascade_ray.tune.state import STATE_SIDECAR, verify_state
 from cascade_ray.tune.sweep import INPUTS_FILE
 
 SPACE = """
@@ -108,3 +112,35 @@ def test_every_shipped_space_validates_against_its_config(space_file):
     stage = read_yaml(space_file)["stage"]
     config = CONFIGS / ("debug_joint.yaml" if stage == "joint" else "three_stage.yaml")
     assert load_space(space_file, load_config(config)).stage == stage
+
+
+def test_the_sweep_leaves_a_sha256_sidecar_of_its_tune_state(sweep):
+    _, summary, _ = sweep
+    exp_dir = as_storage(summary["storage"]) / "tune" / "encoder"
+    listed = (exp_dir / STATE_SIDECAR).read_text()
+    assert "  tuner.pkl\n" in listed and "experiment_state-" in listed
+    verify_state(exp_dir)  # what --resume checks before Ray unpickles anything
+
+
+def test_resume_refuses_a_tuner_pkl_it_did_not_write(sweep, tmp_path):
+    """A planted tuner.pkl whose unpickling would create a file: refused, the file never appears."""
+    _, summary, tmp = sweep
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp, copy, ignore=shutil.ignore_patterns(".lock"))
+    marker = tmp_path / "unpickled"
+    exp = copy / Path(summary["storage"]).name / "tune" / "encoder" / "tune"
+    (exp / "tuner.pkl").write_bytes(pickle.dumps(_OpensOnLoad(str(marker))))
+    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={copy}", "stages.encoder.scaling.num_workers=1"])
+    space = copy / "encoder.yaml"
+    options = RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder", resume=True)
+    with pytest.raises(ArtifactError, match=r"tuner\.pkl does not match its sha256.*--trust-tune-state"):
+        run_pipeline(cfg, options, log=lambda _: None)
+    assert not marker.exists()
+
+
+class _OpensOnLoad:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))

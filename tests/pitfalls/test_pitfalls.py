@@ -38,7 +38,7 @@ def config_issue(overrides: list[str], path: str) -> str:
 def health_error(
     digits, overrides: list[str], index: int = 0, upstream=None, hooks: LoopHooks | None = None
 ) -> HealthError:
-    cfg = load_config(DEBUG, overrides)
+    cfg = load_config(DEBUG, overrides, trust=["pitfall_models", "user_models"])
     with pytest.raises(HealthError) as info:
         run_stage(cfg, index, digits, upstream, ListReporter(), CPU, hooks=hooks)
     return info.value
@@ -199,7 +199,7 @@ def test_a_frozen_module_that_writes_its_buffers_in_eval_mode(digits):
         "stages=[{name: counter, model: {type: 'user_models:drifting', in_features: 64, width: 16}, train: {epochs: 1}}, "
         "{name: classifier, model: {type: mlp, in_features: 16, hidden: [32]}, train: {epochs: 1, batch_size: 32}}]"
     ]
-    cfg = load_config(DEBUG, overrides)
+    cfg = load_config(DEBUG, overrides, trust=["user_models"])
     model, _ = build_stage_model(cfg, 0, digits, None)
     with pytest.raises(FrozenDriftError) as info:
         run_stage(cfg, 1, digits, to_numpy_state(model.state_dict()), ListReporter(), CPU)

@@ -164,11 +164,11 @@ def test_forward_shape_errors() -> None:
 def test_resolve_factory_builtin_and_import_path() -> None:
     assert resolve_factory("resnet") is resnet
     assert set(BUILTIN_MODELS) == {"resnet", "transformer", "mlp"}
-    linear = build_module("torch.nn:Linear", {"in_features": 3, "out_features": 2})
+    linear = build_module("torch.nn:Linear", {"in_features": 3, "out_features": 2}, ["torch"])
     assert isinstance(linear, nn.Linear)
     assert module_layers(linear) == [linear]
     assert module_in_width(linear) is None
-    seq = build_module("torch.nn:Sequential", {})
+    seq = build_module("torch.nn:Sequential", {}, ["torch.nn"])
     assert module_layers(seq) == [seq]
 
 
@@ -183,13 +183,15 @@ def test_resolve_factory_builtin_and_import_path() -> None:
         ("models/my_net.py", "unknown model type 'models/my_net.py' .builtins"),
         ("no_such_pkg_xyz.mod:Net", "cannot import module 'no_such_pkg_xyz.mod': ModuleNotFoundError"),
         ("torch.nn:Linearr", r"'torch.nn' has no attribute 'Linearr'; did you mean 'Linear'\?"),
-        ("math:pi", "'pi' is a float, not a callable"),
+        ("torch:pi", "'pi' is a float, not a callable"),
+        ("math:pi", "the Python standard library is never importable from a config"),
+        ("mypkg:Net", "module 'mypkg' is not trusted"),
         ("torch.nn:", "must look like 'package.module:Callable'"),
     ],
 )
 def test_resolve_factory_errors(type_name: str, match: str) -> None:
     with pytest.raises(ModelSpecError, match=match) as info:
-        resolve_factory(type_name)
+        resolve_factory(type_name, ["torch", "no_such_pkg_xyz"])
     assert isinstance(info.value, ValueError)
     again = pickle.loads(pickle.dumps(info.value))  # raised in Ray workers, re-raised in the driver
     assert type(again) is ModelSpecError and str(again) == str(info.value)
@@ -205,10 +207,10 @@ def test_check_kwargs() -> None:
         build_module("mlp", {"in_features": 4, "hiden": [3]})
     with pytest.raises(ModelSpecError, match="widths and blocks must have the same length"):
         build_module("resnet", {"widths": [8], "blocks": [1, 1]})
-    with pytest.raises(ModelSpecError, match="returned dict, not an nn.Module"):
-        build_module("builtins:dict", {})
+    with pytest.raises(ModelSpecError, match="returned int, not an nn.Module"):
+        build_module("torch.nn.init:calculate_gain", {"nonlinearity": "linear"}, ["torch"])
     with pytest.raises(ModelSpecError, match="model 'torch.nn:Dropout': ValueError: dropout probability"):
-        build_module("torch.nn:Dropout", {"p": 2.0})
+        build_module("torch.nn:Dropout", {"p": 2.0}, ["torch"])
 
 
 def test_tensor_width() -> None:

@@ -30,6 +30,7 @@ def test_adapter_bridges_a_width_mismatch(debug_raw):
 
 
 def test_user_module_by_import_path(debug_raw):
+    debug_raw["trusted_modules"] = ["user_models"]
     debug_raw["stages"][0]["model"] = {"type": "user_models:tiny_cnn", "width": 16}
     cfg = validate_config(debug_raw)
     plans, _ = plan_chain(cfg, (1, 8, 8), num_classes=10)
@@ -37,6 +38,7 @@ def test_user_module_by_import_path(debug_raw):
 
 
 def test_user_module_that_cannot_take_the_input_is_reported(debug_raw):
+    debug_raw["trusted_modules"] = ["user_models"]
     debug_raw["stages"][0]["model"] = {"type": "user_models:tiny_cnn", "in_channels": 3}
     with pytest.raises(ConfigError) as info:
         validate_config(debug_raw)

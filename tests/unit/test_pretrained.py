@@ -34,6 +34,7 @@ def _net_file(tmp_path, name="net.safetensors", **kw) -> tuple[str, dict[str, to
 
 def _raw(debug_raw, pretrained, epochs=0):
     """The debug config with stage 0 a digit_features backbone importing `pretrained`."""
+    debug_raw["trusted_modules"] = ["user_models"]
     debug_raw["stages"][0].update(model=dict(FEATURES), pretrained=pretrained)
     debug_raw["stages"][0]["train"]["epochs"] = epochs
     del debug_raw["stages"][1:]
@@ -206,6 +207,8 @@ def test_the_guide_transfer_example_validates(tmp_path):
     weights = str(tmp_path / "digitnet.safetensors")
     exec(compile(script.replace("/abs/digitnet.safetensors", weights), "guide-export", "exec"), {})
     path = tmp_path / "transfer.yaml"
-    path.write_text(config.replace("/abs/digitnet.safetensors", weights).replace("mypkg.nets:", "user_models:"))
+    path.write_text(
+        config.replace("/abs/digitnet.safetensors", weights).replace("mypkg", "user_models").replace(".nets:", ":")
+    )
     cfg = load_config(path)
     assert cfg.stages[0].train.epochs == 0 and cfg.stages[0].pretrained.prefix == "features."

@@ -1,0 +1,107 @@
+"""The sha256 sidecar of a sweep's Tune state (issue 18, part 3): ``tune --resume`` checks it before
+``Tuner.restore`` unpickles ``tuner.pkl``. No Ray: the folders are written here as Tune lays them out.
+
+    pytest tests/unit/test_tune_state.py
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from cascade_ray.errors import ArtifactError
+from cascade_ray.storage import as_storage
+from cascade_ray.tune.state import STATE_SIDECAR, StateDigestCallback, verify_state, write_state
+
+
+@pytest.fixture
+def exp_dir(tmp_path):
+    """``{run}/tune/<stage>`` with the files Tune writes in its experiment folder, and the sidecar."""
+    experiment = tmp_path / "exp" / "tune"
+    experiment.mkdir(parents=True)
+    (experiment / "tuner.pkl").write_bytes(pickle.dumps({"state": 1}))
+    (experiment / "experiment_state-2026-01-01.json").write_text('{"trials": []}')
+    (experiment / "trial-0").mkdir()  # trial folders are not Tune's restore state
+    write_state(as_storage(tmp_path / "exp"))
+    return tmp_path / "exp"
+
+
+def _tamper_tuner(exp_dir, **_):
+    (exp_dir / "tune" / "tuner.pkl").write_bytes(pickle.dumps({"state": 2}))
+
+
+def _flip_a_bit(exp_dir, **_):
+    path = exp_dir / "tune" / "experiment_state-2026-01-01.json"
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _plant_a_pickle(exp_dir, **_):
+    (exp_dir / "tune" / "search_gen_state-1.pkl").write_bytes(pickle.dumps("planted"))
+
+
+def _remove_a_listed_file(exp_dir, **_):
+    (exp_dir / "tune" / "experiment_state-2026-01-01.json").unlink()
+
+
+def _drop_the_sidecar(exp_dir, **_):
+    (exp_dir / STATE_SIDECAR).unlink()
+
+
+def _rewrite_the_sidecar_for_another_file(exp_dir, **_):
+    (exp_dir / STATE_SIDECAR).write_text("0" * 64 + "  tuner.pkl\n")
+
+
+# tampered Tune state: (change, the file named, what is said)
+TAMPER_CASES = [
+    (_tamper_tuner, "tuner.pkl", "does not match its sha256"),
+    (_flip_a_bit, "experiment_state-2026-01-01.json", "does not match its sha256"),
+    (_plant_a_pickle, "search_gen_state-1.pkl", "is not listed in"),
+    (_remove_a_listed_file, "experiment_state-2026-01-01.json", "is missing but listed"),
+    (_drop_the_sidecar, "tuner.pkl", f"no {STATE_SIDECAR}"),
+    (_rewrite_the_sidecar_for_another_file, "experiment_state-2026-01-01.json", "is not listed in"),
+]
+
+
+def test_the_state_cascade_ray_wrote_verifies(exp_dir):
+    verify_state(as_storage(exp_dir))
+    lines = (exp_dir / STATE_SIDECAR).read_text().splitlines()
+    assert [line.split("  ")[1] for line in lines] == ["experiment_state-2026-01-01.json", "tuner.pkl"]
+    assert all(len(line.split("  ")[0]) == 64 for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("change", "named", "said"), TAMPER_CASES, ids=[c.__name__.strip("_") for c, _, _ in TAMPER_CASES]
+)
+def test_tampered_state_is_refused_naming_the_file_and_the_way_out(change, named, said, exp_dir):
+    change(exp_dir)
+    with pytest.raises(ArtifactError) as info:
+        verify_state(as_storage(exp_dir))
+    text = str(info.value)
+    assert f"/{named}" in text and said in text
+    assert "start a fresh sweep" in text and "--trust-tune-state" in text
+    assert info.value.exit_code == 2
+    verify_state(as_storage(exp_dir), trust_state=True)  # the explicit override
+
+
+def test_no_tune_state_is_a_fresh_sweep(tmp_path):
+    verify_state(as_storage(tmp_path / "never-swept"))
+    (tmp_path / "started" / "tune").mkdir(parents=True)  # Ray made the folder, wrote nothing yet
+    verify_state(as_storage(tmp_path / "started"))
+
+
+def test_the_callback_rewrites_the_sidecar_and_survives_tunes_pickle(exp_dir):
+    callback = StateDigestCallback(as_storage(exp_dir), interval_s=3600)
+    _tamper_tuner(exp_dir)  # Ray rewrote its state during the sweep
+    callback.on_step_end(iteration=1, trials=[])
+    verify_state(as_storage(exp_dir))
+    _tamper_tuner(exp_dir)
+    (exp_dir / "tune" / "tuner.pkl").write_bytes(b"changed again")
+    callback.on_step_end(iteration=2, trials=[])  # within the interval: not rewritten
+    with pytest.raises(ArtifactError):
+        verify_state(as_storage(exp_dir))
+    restored = pickle.loads(pickle.dumps(callback))  # Tune pickles its callbacks into tuner.pkl
+    restored.on_experiment_end(trials=[])
+    verify_state(as_storage(exp_dir))
