@@ -3,8 +3,9 @@
 Ray Train 2.60 ends a fit whose workers failed (out of ``max_failures`` restarts) with a
 ``WorkerGroupError`` holding each failed worker's exception. Two causes come from outside the
 training code and deserve their own message: a worker process that died without an exception
-(Ray's ``ActorDiedError``: a signal, nearly always SIGKILL from the kernel's out-of-memory killer)
-and storage that is full (``ENOSPC`` while a checkpoint is written). Anything else keeps Ray's error.
+(Ray's ``ActorDiedError``: a signal, nearly always SIGKILL from the kernel's out-of-memory killer),
+storage that is full (``ENOSPC`` while a checkpoint is written) and storage that could not be
+reached (Ray's storage check before a checkpoint upload). Anything else keeps Ray's error.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from cascade_ray.errors import StageFailedError
 from cascade_ray.ray_compat import worker_failure_cause
 
 _NO_SPACE = "No space left on device"
+# Ray Train 2.60 (storage.py, public message): the storage check before each checkpoint upload failed
+_UNREACHABLE = "Unable to set up cluster storage"
 
 
 def stage_failure(failures: Iterable[BaseException], stage: str, index: int, storage: str) -> StageFailedError | None:
@@ -39,6 +42,15 @@ def stage_failure(failures: Iterable[BaseException], stage: str, index: int, sto
                 f"no space left on the storage: a write under {storage} failed ({_first_line(seen)[:300]})",
                 "free space there or point storage_path at a larger volume, then rerun with --resume "
                 "(finished stages are reused)",
+            )
+    for seen in (e for chain in chains for e in chain):
+        if _UNREACHABLE in str(seen):
+            return StageFailedError(
+                stage,
+                f"the storage {storage} could not be read back while a checkpoint was written (the server or "
+                "network was down, or this node cannot reach it)",
+                "check that every node reaches the storage (server up, network, credentials), then rerun with "
+                f"--resume (finished stages are reused); stages[{index}].max_failures retries the stage in place",
             )
     for seen in (e for chain in chains for e in chain):
         if isinstance(seen, ray.exceptions.ActorDiedError | ray.exceptions.WorkerCrashedError):

@@ -34,3 +34,11 @@ def test_a_killed_worker_names_the_stage_and_suggests_memory():
 
 def test_other_failures_keep_rays_error():
     assert stage_failure([ValueError("bad"), OSError(errno.ENOENT, "gone")], "head", 1, "/runs") is None
+
+
+def test_unreachable_storage_names_the_stage_and_the_storage():
+    # Ray Train's check before a checkpoint upload, as the S3 restart in tests/e2e/test_faults.py hit it
+    down = RuntimeError("Unable to set up cluster storage with the following settings:\n<StorageContext ...>")
+    text = str(stage_failure([down], "head", 1, "s3://cascade/restart/faults/ray"))
+    assert text.startswith("stage 'head': the storage s3://cascade/restart/faults/ray could not be read back")
+    assert "--resume" in text and "stages[1].max_failures" in text
