@@ -132,6 +132,24 @@ class HealthError(CascadeError):
         return (self.__class__, (self.rule, self.stage, self.step, self.detail, self.key, self.fix))
 
 
+class StageFailedError(CascadeError):
+    """A stage's workers failed outside the training code: a worker process died (killed by a signal,
+    usually the out-of-memory killer) or the storage is full. Earlier stages' artifacts stay.
+
+    Attributes:
+        stage: the stage's name.
+        detail: what happened, naming the process or the path.
+        fix: what to change.
+    """
+
+    def __init__(self, stage: str, detail: str, fix: str):
+        self.stage, self.detail, self.fix = stage, detail, fix
+        super().__init__(f"stage {stage!r}: {detail}\n    fix: {fix}")
+
+    def __reduce__(self):
+        return (self.__class__, (self.stage, self.detail, self.fix))
+
+
 class ArtifactError(CascadeError):
     """A stage artifact is missing, truncated or altered."""
 

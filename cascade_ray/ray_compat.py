@@ -89,6 +89,13 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("ray._private.state", "state.get_cluster_config", "autoscaler_node_groups"),
     # detected_cpus
     PrivateSymbol("ray._private.utils", "get_num_cpus", "detected_cpus"),
+    # worker_failure_cause
+    PrivateSymbol(
+        "ray.train.v2._internal.exceptions",
+        "WorkerHealthCheckFailedError.health_check_failure",
+        "worker_failure_cause",
+        instance=True,
+    ),
     # pin_deployment_version
     PrivateSymbol("ray.serve.deployment", "Deployment._version", "pin_deployment_version", True),
     PrivateSymbol("ray.serve._private.client", "ServeControllerClient.deploy_applications", "pin_deployment_version"),
@@ -469,6 +476,32 @@ def pin_deployment_version(deployment: Any, version: str) -> bool:
         return False
     deployment._version = version
     return True
+
+
+# --- worker_failure_cause: what killed a worker that died without an exception -----------------
+
+
+def worker_failure_cause(failure: BaseException) -> BaseException | None:
+    """The error a Ray Train worker-health-check failure wraps, or None (another kind of failure).
+
+    Ray 2.60.0: a worker process that died without raising (SIGKILL, e.g. the kernel's OOM
+    killer) is in ``WorkerGroupError.worker_failures`` as
+    ``ray.train.v2._internal.exceptions.WorkerHealthCheckFailedError``, whose
+    ``health_check_failure`` is Ray's public ``ActorDiedError``. Buys: the stage's error says a
+    worker was killed and how to use less memory (``cascade_ray.pipeline.failures``,
+    ``tests/e2e/test_faults.py``). Fallback (moved): None, and the stage fails with Ray's own
+    ``WorkerGroupError`` (its text still mentions the OOM killer).
+    """
+    try:
+        cls = _symbol("ray.train.v2._internal.exceptions", "WorkerHealthCheckFailedError.health_check_failure")
+    except (ImportError, AttributeError, OSError, TypeError) as exc:
+        _warn_once(
+            "worker_failure_cause",
+            f"Ray Train's worker health-check error is gone ({exc})",
+            "a killed worker is reported with Ray's own error, without cascade-ray's memory advice",
+        )
+        return None
+    return getattr(failure, "health_check_failure", None) if isinstance(failure, cls) else None
 
 
 def missing_private_symbols(symbols: Iterable[PrivateSymbol] = PRIVATE_SYMBOLS) -> list[tuple[PrivateSymbol, str]]:

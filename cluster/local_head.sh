@@ -20,7 +20,7 @@
 #   --num-gpus N        GPUs the head offers (default: what Ray detects)
 #   --port P            GCS port (default: a free port)
 #   --dashboard-port D  dashboard / job API port on 127.0.0.1 (default: a free port)
-#   --token-file F      use this token (kept as is) instead of generating one for this head
+#   --token-file F      use this token (kept as is; refused unless mode 0600/0400) instead of generating one
 # add-node options (the node joins the head of --state-dir with its token):
 #   --num-cpus N, --num-gpus N   what the node offers (default 1 CPU; GPUs: what Ray detects)
 #   --object-store-memory B      its object store in bytes (default 300000000)
@@ -38,12 +38,13 @@
 # ALL interfaces whatever --node-ip-address says. Token auth guards them, but the token travels in
 # plaintext, and anyone who gets through can run code as you. This script pins every one of those
 # ports (the nodes' too), and `status` prints a firewall rule that drops them on every interface
-# but loopback; or run the head and its clients in a network namespace with loopback only:
+# but loopback, plus one for the ephemeral range torch.distributed's TCPStore and gloo pick their
+# ports from (they cannot be pinned); or run the head and its clients in a network namespace with loopback only:
 #   sudo unshare --net bash -c 'ip link set lo up; eval "$(cluster/local_head.sh start)"; ...'
 # See docs/security.md.
 set -euo pipefail
 
-usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 log() { echo "local_head: $*" >&2; }
 die() { echo "local_head: error: $*" >&2; exit 1; }
 
@@ -214,6 +215,12 @@ firewall_hint() {
       echo "#   iptables -I INPUT ! -i lo -p tcp --dport ${NODE_WORKER_PORTS} -j DROP  # $NODE_NAME"
     )
   done
+  # torch.distributed (Ray Train's TCPStore on rank 0, gloo's pair sockets) binds ephemeral ports
+  # on all interfaces; Ray has no knob to pin them. NEW only: replies to this host's own outgoing
+  # connections arrive on the same range.
+  local eph
+  eph=$(tr -s '[:space:]' ':' </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null | sed 's/:$//')
+  echo "#   iptables -I INPUT ! -i lo -p tcp --dport ${eph:-32768:60999} -m conntrack --ctstate NEW -j DROP  # torch.distributed"
 }
 
 # --- worker nodes added by `add-node`: one record each, $state_dir/nodes/<name>.env
@@ -258,7 +265,8 @@ start)
   if [ -n "$token_file" ]; then
     [ -s "$token_file" ] || die "--token-file $token_file is missing or empty"
     token_path=$(cd "$(dirname "$token_file")" && pwd)/$(basename "$token_file")
-    case "$(stat -c %a "$token_path")" in *00) ;; *) log "warning: $token_path is readable by other users; chmod 600 it" ;; esac
+    # refused, not warned: whoever can read the token can run code on the cluster
+    case "$(stat -c %a "$token_path")" in *00) ;; *) die "--token-file $token_path is readable by group/others; chmod 600 $token_path" ;; esac
     own_token=0
   else
     token_path=$state_dir/auth_token

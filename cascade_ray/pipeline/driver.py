@@ -36,6 +36,7 @@ from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.outputs import next_steps, write_run_outputs
+from cascade_ray.pipeline.ray_token import ensure_private_token
 from cascade_ray.pipeline.records import RunSummary, summary_text
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
 from cascade_ray.pipeline.streaming import StreamedData, check_streaming_resources, scan_data
@@ -230,6 +231,7 @@ def init_ray(address: str | None, level: str) -> bool:
             runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}},
         )
     else:
+        ensure_private_token()  # Ray would write ~/.ray/auth_token with the umask (0644)
         ray.init(logging_level=ray_logging_level(level), runtime_env={"env_vars": env})
     install_worker_filter(level)  # --log-level: Ray's own chatter out of the way, errors kept
     return True

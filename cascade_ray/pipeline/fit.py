@@ -21,6 +21,7 @@ from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
 from cascade_ray.logs import train_logging_config
 from cascade_ray.options import RunOptions
+from cascade_ray.pipeline.failures import stage_failure
 from cascade_ray.pipeline.trainer import StageTrainer
 from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status
 from cascade_ray.stage.observe import observer_config
@@ -365,7 +366,8 @@ def fit_stage(
     try:
         return trainer.fit()
     except ray.train.WorkerGroupError as exc:
-        raise _cascade_cause(exc) or exc from None
+        failures = exc.worker_failures.values()
+        raise _cascade_cause(exc) or stage_failure(failures, stage.name, index, str(ray_dir)) or exc from None
 
 
 def _stream_args(stream: Any) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -17,11 +18,15 @@ from paths import CONFIGS, ROOT
 SCRIPT = ROOT / "pipelines" / "three_stage.py"
 
 
-def _run(args, tmp_path, timeout=300):
+def _run(args, tmp_path, timeout=300, home=None):
     # RAY_TMPDIR: a private session folder, so "did Ray start?" is a directory listing
     # (short, under /tmp: Ray's socket paths must stay under 108 bytes)
     ray_tmp = Path(tempfile.mkdtemp(prefix="cr-", dir="/tmp"))
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    if home is not None:  # where Ray writes its token (~/.ray): not the developer's real one
+        env["HOME"] = str(home)
+        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            env.pop(key, None)  # Ray's default: token auth on, token file under HOME
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
         [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path
@@ -34,12 +39,14 @@ def debug_run(tmp_path_factory):
     """The debug cascade, uninterrupted, through the pipeline script."""
     tmp = tmp_path_factory.mktemp("script")
     storage = tmp / "runs"
-    proc, ray_tmp = _run([SCRIPT, "--config", CONFIGS / "debug.yaml", f"storage_path={storage}"], tmp)
-    return proc, ray_tmp, storage
+    home = tmp / "home"
+    home.mkdir()
+    proc, ray_tmp = _run([SCRIPT, "--config", CONFIGS / "debug.yaml", f"storage_path={storage}"], tmp, home=home)
+    return proc, ray_tmp, storage, home
 
 
 def test_pipeline_script_runs_the_debug_cascade_with_an_embedded_ray(debug_run):
-    proc, ray_tmp, storage = debug_run
+    proc, ray_tmp, storage, _ = debug_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((storage / "debug" / "summary.json").read_text())
     assert f"test_accuracy={summary['test_accuracy']:.4f}" in proc.stdout
@@ -47,6 +54,23 @@ def test_pipeline_script_runs_the_debug_cascade_with_an_embedded_ray(debug_run):
     for stage in ("features", "encoder", "classifier"):
         assert (storage / "debug" / "stages" / stage / "weights.safetensors").is_file()
     assert any(ray_tmp.iterdir()), "the embedded Ray used RAY_TMPDIR"
+
+
+def test_the_embedded_rays_token_file_is_readable_by_this_user_only(debug_run):
+    proc, ray_tmp, _, home = debug_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    token = home / ".ray" / "auth_token"
+    assert token.is_file(), "token auth was on: the run's token is in HOME/.ray"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    # no other copy anywhere Ray wrote: HOME and the session folder
+    readable = [
+        p
+        for root in (home, ray_tmp)
+        for p in root.rglob("*token*")
+        if p.is_file() and stat.S_IMODE(p.stat().st_mode) & 0o077
+    ]
+    assert not readable, readable
 
 
 def test_invalid_config_exits_2_listing_every_problem_and_starts_no_ray(tmp_path):
@@ -82,7 +106,7 @@ def test_missing_fashion_mnist_says_how_to_install_it(tmp_path):
 
 
 def test_driver_killed_after_stage_one_resumes_to_the_same_result(debug_run, tmp_path):
-    _, _, reference = debug_run
+    _, _, reference, _ = debug_run
     storage = tmp_path / "runs"
     ray_tmp = Path(tempfile.mkdtemp(prefix="cr-", dir="/tmp"))
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}

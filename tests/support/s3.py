@@ -78,15 +78,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_s3(log_dir: Path, bucket: str = "cascade") -> S3Server:
-    """moto's S3 server on a free loopback port with `bucket` created."""
+def start_s3(log_dir: Path, bucket: str = "cascade", port: int | None = None) -> S3Server:
+    """moto's S3 server on a free loopback port (or `port`, e.g. to restart one) with `bucket` created."""
     if not MOTO.exists():
         raise RuntimeError(f"{MOTO} is missing: pip install 'moto[server]' (the test extra has it)")
-    port = _free_port()
+    port = port or _free_port()
     log = log_dir / "moto.log"
     proc = subprocess.Popen(
         [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log.open("wb"),
+        stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "AWS_EC2_METADATA_DISABLED": "true"},
     )

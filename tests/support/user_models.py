@@ -50,3 +50,47 @@ class DigitNet(nn.Module):
 
     def forward(self, x):
         return self.classifier(self.features(x))
+
+
+class _FaultProbe(nn.Module):
+    """A small linear stage that lets a test fault it at one training step (see :func:`fault_probe`)."""
+
+    def __init__(self, in_features: int, width: int, kill_flag: str, pause_flag: str, step: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, width)
+        self.kill_flag, self.pause_flag, self.step = kill_flag, pause_flag, step
+        self.calls = 0  # training forwards in this process (a plain attribute: not in the weights)
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled() and x.device.type != "meta":
+            self.calls += 1
+            if self.calls == self.step:
+                _fault(self.kill_flag, self.pause_flag)
+        return torch.relu(self.proj(x.flatten(1)))
+
+
+def _fault(kill_flag: str, pause_flag: str) -> None:
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    kill, pause = Path(kill_flag), Path(pause_flag)
+    if kill.exists():  # the kernel's OOM killer sends SIGKILL: no exception, no cleanup
+        kill.unlink()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if pause.exists():  # hold still until the test has done its fault (or 60 s), then go on
+        pause.unlink()
+        go = Path(f"{pause_flag}.go")
+        Path(f"{pause_flag}.pid").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def fault_probe(in_features: int, width: int, kill_flag: str, pause_flag: str, step: int = 5) -> nn.Module:
+    """A stage whose process, at training step `step`, SIGKILLs itself if `kill_flag` exists, or, if
+    `pause_flag` exists, writes its pid to ``<pause_flag>.pid`` and waits for ``<pause_flag>.go``.
+    Each flag is removed when it fires: a restarted worker runs through. Without flags it is a
+    plain linear layer, so the same config trains the reference run."""
+    return _FaultProbe(in_features, width, kill_flag, pause_flag, step)

@@ -116,3 +116,31 @@ def test_rayjob_cluster_has_token_auth_a_head_and_an_autoscaling_gpu_group(rayjo
     import ray
 
     assert cluster["rayVersion"] == ray.__version__, "the version this project is tested with"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_local_head_refuses_a_token_file_readable_by_group_or_others_before_starting_ray(tmp_path, mode):
+    import os
+    import subprocess
+    import sys
+
+    token = tmp_path / "token"
+    token.write_text("0" * 64)
+    token.chmod(mode)
+    # RAY points at a stand-in that fails loudly: the refusal must come before any `ray start`
+    fake_ray = tmp_path / "ray"
+    fake_ray.write_text("#!/bin/sh\necho 'ray was called' >&2\nexit 99\n")
+    fake_ray.chmod(0o755)
+    env = {**os.environ, "RAY": str(fake_ray), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "cluster" / "local_head.sh"), "start", "--state-dir", str(tmp_path / "state")]
+        + ["--token-file", str(token)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert f"--token-file {token} is readable by group/others; chmod 600 {token}" in proc.stderr
+    assert "ray was called" not in proc.stderr
+    assert not (tmp_path / "state" / "head.env").exists()

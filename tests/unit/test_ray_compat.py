@@ -157,6 +157,7 @@ MODULE_GONE = [
     ("autoscaler_node_groups", lambda: ray_compat.autoscaler_node_groups(), ()),
     ("detected_cpus", lambda: ray_compat.detected_cpus(), float(os.cpu_count() or 1)),
     ("pin_deployment_version", lambda: ray_compat.pin_deployment_version(object(), "v1"), False),
+    ("worker_failure_cause", lambda: ray_compat.worker_failure_cause(RuntimeError("x")), None),
 ]
 SEPARATELY_TESTED = {"LeanTorchTrainer", "quick_stop_cleaner_class", "uncount_asha_stop"}
 

@@ -1,0 +1,83 @@
+"""A failed stage fit, told as what happened and what to do, when the cause is not cascade-ray's own.
+
+Ray Train 2.60 ends a fit whose workers failed (out of ``max_failures`` restarts) with a
+``WorkerGroupError`` holding each failed worker's exception. Two causes come from outside the
+training code and deserve their own message: a worker process that died without an exception
+(Ray's ``ActorDiedError``: a signal, nearly always SIGKILL from the kernel's out-of-memory killer),
+storage that is full (``ENOSPC`` while a checkpoint is written) and storage that could not be
+reached (Ray's storage check before a checkpoint upload). Anything else keeps Ray's error.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import ray.exceptions
+
+from cascade_ray.errors import StageFailedError
+from cascade_ray.ray_compat import worker_failure_cause
+
+_NO_SPACE = "No space left on device"
+# Ray Train 2.60 (storage.py, public message): the storage check before each checkpoint upload failed
+_UNREACHABLE = "Unable to set up cluster storage"
+
+
+def stage_failure(failures: Iterable[BaseException], stage: str, index: int, storage: str) -> StageFailedError | None:
+    """A :class:`StageFailedError` for `failures` (the workers' exceptions) when the cause is full
+    storage or a killed worker process; None otherwise.
+
+    Args:
+        failures: the exceptions of the failed workers (``WorkerGroupError.worker_failures.values()``).
+        stage: the stage's name.
+        index: the stage's index in ``stages``.
+        storage: where the stage writes (its Ray Train storage folder), named in the message.
+    """
+    chains = [list(_chain(f)) for f in failures]
+    for seen in (e for chain in chains for e in chain):
+        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or _NO_SPACE in str(seen):
+            return StageFailedError(
+                stage,
+                f"no space left on the storage: a write under {storage} failed ({_first_line(seen)[:300]})",
+                "free space there or point storage_path at a larger volume, then rerun with --resume "
+                "(finished stages are reused)",
+            )
+    for seen in (e for chain in chains for e in chain):
+        if _UNREACHABLE in str(seen):
+            return StageFailedError(
+                stage,
+                f"the storage {storage} could not be read back while a checkpoint was written (the server or "
+                "network was down, or this node cannot reach it)",
+                "check that every node reaches the storage (server up, network, credentials), then rerun with "
+                f"--resume (finished stages are reused); stages[{index}].max_failures retries the stage in place",
+            )
+    for seen in (e for chain in chains for e in chain):
+        if isinstance(seen, ray.exceptions.ActorDiedError | ray.exceptions.WorkerCrashedError):
+            return StageFailedError(
+                stage,
+                "a worker process died without raising an exception (killed by a signal; SIGKILL is usually "
+                "the kernel's out-of-memory killer: check `dmesg` / the node's memory)",
+                f"use less memory per worker: lower stages[{index}].train.batch_size or the model size, run "
+                f"fewer workers per node, or give them more memory (stages[{index}].scaling.resources_per_worker"
+                f".memory reserves it); stages[{index}].max_failures restarts the worker group from its last "
+                "checkpoint; rerun with --resume (finished stages are reused)",
+            )
+    return None
+
+
+def _chain(exc: Any) -> Iterator[Any]:
+    """`exc`, then what caused it (a health-check failure's error, Ray's ``cause``, ``__cause__``), at most 20 deep."""
+    for _ in range(20):
+        if exc is None:
+            return
+        yield exc
+        exc = worker_failure_cause(exc) or getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+
+
+def _first_line(exc: Any) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if _NO_SPACE in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(exc).__name__

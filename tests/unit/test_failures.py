@@ -1,0 +1,44 @@
+"""A stage's worker failures from outside the training code, told with the stage, the path and the fix."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+
+import ray.exceptions
+from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+from cascade_ray.errors import StageFailedError
+from cascade_ray.pipeline.failures import stage_failure
+
+
+def test_a_full_disk_names_the_stage_the_storage_and_no_space():
+    # what pyarrow raised in tests/e2e/test_faults.py (storage_full), wrapped as Ray Train wraps it
+    disk = OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+    wrapped = RuntimeError("checkpoint upload failed")
+    wrapped.__cause__ = disk
+    error = stage_failure([wrapped], "head", 1, "/mnt/runs/faults/ray")
+    assert isinstance(error, StageFailedError)
+    text = str(error)
+    assert text.startswith("stage 'head': no space left") and "/mnt/runs/faults/ray" in text
+    assert "--resume" in text
+    assert str(pickle.loads(pickle.dumps(error))) == text  # it crosses process boundaries
+
+
+def test_a_killed_worker_names_the_stage_and_suggests_memory():
+    died = WorkerHealthCheckFailedError("Worker health check failed", ray.exceptions.ActorDiedError())
+    text = str(stage_failure([died], "head", 1, "/runs"))
+    assert text.startswith("stage 'head': a worker process died") and "out-of-memory" in text
+    assert "stages[1].train.batch_size" in text and "stages[1].scaling.resources_per_worker.memory" in text
+
+
+def test_other_failures_keep_rays_error():
+    assert stage_failure([ValueError("bad"), OSError(errno.ENOENT, "gone")], "head", 1, "/runs") is None
+
+
+def test_unreachable_storage_names_the_stage_and_the_storage():
+    # Ray Train's check before a checkpoint upload, as the S3 restart in tests/e2e/test_faults.py hit it
+    down = RuntimeError("Unable to set up cluster storage with the following settings:\n<StorageContext ...>")
+    text = str(stage_failure([down], "head", 1, "s3://cascade/restart/faults/ray"))
+    assert text.startswith("stage 'head': the storage s3://cascade/restart/faults/ray could not be read back")
+    assert "--resume" in text and "stages[1].max_failures" in text
