@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.text import short_repr
 
 # Schemes pyarrow.fs.FileSystem.from_uri resolves (Ray Train uses the same call).
 URI_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
@@ -252,8 +253,21 @@ def parse_uri(uri: str, key: str = "storage_path") -> UriPath | None:
             [
                 ConfigIssue(
                     key,
-                    f"unsupported URI scheme {scheme!r} in {shown!r}",
+                    f"unsupported URI scheme {short_repr(scheme)} in {short_repr(shown)}",
                     f"use a local path or one of {', '.join(s + '://' for s in URI_SCHEMES)}",
+                )
+            ]
+        )
+    if scheme != "file" and any(part in (".", "..") for part in rest.split("/")):
+        # an object store takes `..` as a literal key part while a reader may resolve it (file:// is
+        # normalized below, as the local filesystem would): one URI naming two places is refused
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    key,
+                    f"{short_repr(shown)} has a '.' or '..' path segment",
+                    "write the path without them, e.g. "
+                    + ("file:///abs/runs" if scheme == "file" else f"{scheme}://bucket/runs"),
                 )
             ]
         )
@@ -265,14 +279,14 @@ def parse_uri(uri: str, key: str = "storage_path") -> UriPath | None:
                 [
                     ConfigIssue(
                         key,
-                        f"{shown!r} is not an absolute file:// URI",
+                        f"{short_repr(shown)} is not an absolute file:// URI",
                         "write file:///absolute/path (three slashes)",
                     )
                 ]
             )
         return UriPath("file", os.path.normpath(path), query)
     if not rest.strip("/"):
-        raise ConfigError([ConfigIssue(key, f"{shown!r} names no bucket", f"write {scheme}://bucket/prefix")])
+        raise ConfigError([ConfigIssue(key, f"{short_repr(shown)} names no bucket", f"write {scheme}://bucket/prefix")])
     return UriPath(scheme, rest.strip("/"), query, auth=auth)
 
 

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.storage import STORAGE_ACCESS_FIX, StorageDir, UriPath, as_storage, local_path, redact, resolve_files
+from cascade_ray.text import short_repr
 
 PROBE_PREFIX = ".cascade-probe-"
 
@@ -86,7 +87,7 @@ def _data_issues(key: str, spec: str) -> list[ConfigIssue]:
             return [
                 ConfigIssue(
                     key,
-                    f"no parquet file matches {shown!r}",
+                    f"no parquet file matches {short_repr(shown)}",
                     "point it at a .parquet file, a folder (or object-store prefix) of *.parquet files, or a glob",
                 )
             ]
@@ -98,7 +99,7 @@ def _data_issues(key: str, spec: str) -> list[ConfigIssue]:
     except ConfigError as exc:
         return list(exc.issues)
     except Exception as exc:  # noqa: BLE001 - any failure is reported with the key and the fix
-        return [ConfigIssue(key, f"cannot read {shown!r}: {_reason(exc)}", STORAGE_ACCESS_FIX)]
+        return [ConfigIssue(key, f"cannot read {short_repr(shown)}: {_reason(exc)}", STORAGE_ACCESS_FIX)]
     return []
 
 

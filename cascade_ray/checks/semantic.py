@@ -15,7 +15,7 @@ from cascade_ray.models import ModelSpecError, check_kwargs, resolve_factory
 from cascade_ray.models.pretrained import file_issue
 from cascade_ray.solver import stage_solver_issues
 from cascade_ray.storage import parse_uri
-from cascade_ray.text import did_you_mean
+from cascade_ray.text import did_you_mean, short_repr
 
 
 def semantic_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
@@ -134,7 +134,7 @@ def _metric_issues(cfg: PipelineConfig, stage: StageConfig, path: str) -> list[C
             issues.append(
                 ConfigIssue(
                     key,
-                    f"{metric!r} is not reported for data.target.kind {kind!r}{did_you_mean(metric, valid)}",
+                    f"{short_repr(metric)} is not reported for data.target.kind {kind!r}{did_you_mean(metric, valid)}",
                     f"use one of: {', '.join(valid)}",
                 )
             )
@@ -190,7 +190,7 @@ def _stage_issues(
                 issues.append(
                     ConfigIssue(
                         f"{path}.loss.weights.{name}",
-                        f"{name!r} is not an upstream stage{did_you_mean(name, upstream)} (upstream: {', '.join(upstream)})",
+                        f"{short_repr(name)} is not an upstream stage{did_you_mean(name, upstream)} (upstream: {', '.join(upstream)})",
                     )
                 )
             elif not weight > 0:
@@ -201,6 +201,7 @@ def _stage_issues(
                         "drop the term by weighting it small, e.g. 0.01",
                     )
                 )
+        issues += _joint_weight_issues(stage, path, upstream)
         if index == 0:
             issues.append(
                 ConfigIssue(f"{path}.type", "a joint stage needs trained stages before it", "put the joint stage last")
@@ -223,7 +224,7 @@ def _stage_issues(
         if name not in upstream:
             hint = did_you_mean(name, upstream)
             valid = ", ".join(upstream) or "none: this is the first stage"
-            issues.append(ConfigIssue(key, f"{name!r} is not an upstream stage{hint} (upstream: {valid})"))
+            issues.append(ConfigIssue(key, f"{short_repr(name)} is not an upstream stage{hint} (upstream: {valid})"))
         if count == 0 or count < -1:
             issues.append(ConfigIssue(key, f"{count} layers", "use a positive count, or -1 for all layers"))
     if stage.freeze.cache_features == "on":
@@ -241,6 +242,27 @@ def _stage_issues(
     issues += _import_only_issues(stage, path)
     issues += _scaling_issues(stage, f"{path}.scaling")
     return issues
+
+
+# A joint loss whose weights sum below this is zero in fp32 (and in any precision that trains).
+MIN_JOINT_WEIGHT_SUM = 1e-12
+
+
+def _joint_weight_issues(stage: StageConfig, path: str, upstream: list[str]) -> list[ConfigIssue]:
+    """``loss.weights`` so small that the summed loss is ~0: training would not move."""
+    weights = stage.loss.weights or {}
+    listed = [w for name, w in weights.items() if name in upstream and w > 0]
+    if not weights or len(listed) < len(weights) or len(listed) < len(upstream):
+        return []  # a bad name or weight is reported on its own; an unlisted stage keeps its loss.scale (> 0)
+    if sum(listed) >= MIN_JOINT_WEIGHT_SUM:
+        return []
+    return [
+        ConfigIssue(
+            f"{path}.loss.weights",
+            f"the weights sum to {sum(listed):.3g}, below {MIN_JOINT_WEIGHT_SUM:g}: the joint loss is zero and nothing trains",
+            "give the terms weights near 1, e.g. 1.0 and 0.5",
+        )
+    ]
 
 
 def cache_refusals(stage: StageConfig, index: int, path: str) -> list[tuple[str, str]]:
@@ -374,7 +396,7 @@ def _scaling_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
             issues.append(
                 ConfigIssue(
                     f"{key}.{name}",
-                    f"Ray's resource is {name.upper()!r}; {name!r} would be a custom resource no node advertises",
+                    f"Ray's resource is {short_repr(name.upper())}; {short_repr(name)} would be a custom resource no node advertises",
                     f"write {name.upper()}: {amount:g}",
                 )
             )

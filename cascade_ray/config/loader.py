@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from cascade_ray.config.schema import STAGE_NAME_PATTERN, PipelineConfig
 from cascade_ray.errors import ConfigIssue
-from cascade_ray.text import did_you_mean, format_path
+from cascade_ray.text import did_you_mean, format_path, short_repr
 
 _MAX_REPAIRS = 8
 
@@ -138,10 +138,46 @@ def _describe(annotation: Any) -> list[str]:
     )
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """repr, cut at `limit` characters (a whole stages list is not worth repeating)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + " ..."
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+_BASE_PREFIXED = re.compile(r"^[-+]?0(?:x[0-9a-fA-F_]+|o[0-7_]+|b[01_]+)$")
+_LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+$")
+_YAML11_BOOLS = {
+    w: w.lower() in ("yes", "on")
+    for w in ("yes", "Yes", "YES", "no", "No", "NO", "on", "On", "ON", "off", "Off", "OFF")
+}
+
+
+def yaml11_fix(value: str, want: str = "number") -> str:
+    """The fix for a plain scalar that YAML 1.1 reads as a number or bool and YAML 1.2 (this reader) as a string.
+
+    `want` is what the key takes (``number`` or ``bool``). Empty when `value` is no such scalar.
+    """
+    if len(value) > 64:  # no mistyped number is this long (and a huge int has no str())
+        return ""
+    text = value.replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    digits = text.lstrip("+-")
+    if _SEXAGESIMAL.match(value):
+        total = 0.0
+        for part in digits.split(":"):
+            total = total * 60 + float(part)
+        number = sign * (int(total) if total.is_integer() and "." not in digits else total)
+        return f"{short_repr(value)} is YAML 1.1 base 60 ({number}), a string in YAML 1.2 as read here: write {number}"
+    if _BASE_PREFIXED.match(value):
+        number = sign * int(digits, 0)
+        return f"{short_repr(value)}: YAML 1.2 (as read here) allows no sign or '_' in hex/octal/binary: write {number}"
+    if _LEADING_ZERO.match(value):
+        decimal = sign * int(digits)
+        if set(digits) <= set("01234567"):
+            octal = sign * int(digits, 8)
+            return f"{short_repr(value)} is octal {octal} in YAML 1.1 and {decimal} in YAML 1.2: write {decimal} (or 0o{digits.lstrip('0')})"
+        return f"{short_repr(value)} has a leading zero: write {decimal}"
+    if value in _YAML11_BOOLS:
+        meaning = "true" if _YAML11_BOOLS[value] else "false"
+        if want == "bool":
+            return f"{short_repr(value)} is a string in YAML 1.2 (YAML 1.1 read it as {meaning}): write true/false, unquoted"
+        return f"{short_repr(value)} is a word, not a number (YAML 1.1 read it as {meaning}): write a number"
+    return ""
 
 
 # Fixes for schema errors whose message alone says what is wrong but not what to write instead.
@@ -162,23 +198,24 @@ def _translate(err: dict[str, Any]) -> ConfigIssue:
         fields = _fields_at(loc[:-1])
         key = str(loc[-1])
         hint = did_you_mean(key, fields)
-        return ConfigIssue(path, f"unknown key {key!r}{hint} (valid: {', '.join(sorted(fields))})")
+        return ConfigIssue(path, f"unknown key {short_repr(key)}{hint} (valid: {', '.join(sorted(fields))})")
     if kind == "literal_error":
         choices = _literal_choices(loc)
         hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
-        return ConfigIssue(path, f"{value!r} is not allowed{hint} (valid: {', '.join(choices)})")
+        return ConfigIssue(path, f"{short_repr(value)} is not allowed{hint} (valid: {', '.join(choices)})")
     if kind == "missing":
         return ConfigIssue(path, "required key is missing", f"add {loc[-1]}: ..." if loc else "")
     if kind == "union_error":
         choices = [d for arg in typing.get_args(_strip_optional(_walk(loc)[1])) for d in _describe(arg)]
-        return ConfigIssue(
-            path,
-            f"{_short(value)} is not valid here",
-            f"write {', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else "",
-        )
-    got = f"got {type(value).__name__} {_short(value)}"
+        quirk = yaml11_fix(value, "bool" if "true" in choices else "number") if isinstance(value, str) else ""
+        fix = f"write {', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else ""
+        return ConfigIssue(path, f"{short_repr(value)} is not valid here", f"{quirk}; {fix}" if quirk else fix)
+    got = f"got {type(value).__name__} {short_repr(value)}"
     fix = _TYPE_FIXES.get(kind, "")
-    if isinstance(value, str) and kind in ("float_type", "int_type", "list_type", "tuple_type"):
+    quirk = yaml11_fix(value, "bool" if kind == "bool_type" else "number") if isinstance(value, str) else ""
+    if quirk and kind in ("float_type", "int_type", "bool_type"):
+        fix = f"{quirk}; or quote it if you meant the text"
+    elif isinstance(value, str) and kind in ("float_type", "int_type", "list_type", "tuple_type"):
         fix = "write the value unquoted as a YAML number or list, e.g. betas: [0.9, 0.999], lr: 3.0e-4"
     elif kind == "int_type" and isinstance(value, bool):
         fix = "write a whole number, not true/false"
@@ -186,6 +223,8 @@ def _translate(err: dict[str, Any]) -> ConfigIssue:
         fix = f"write it without the decimal point: {int(value)}"
     elif kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == STAGE_NAME_PATTERN:
         fix = "start with a letter and use only letters, digits, '_' and '-' (at most 64 characters)"
+    elif kind == "less_than_equal" and isinstance(value, int) and not isinstance(value, bool):
+        fix = f"use at most {err.get('ctx', {}).get('le')}: a larger value is taken for a typo, not a big job"
     elif kind == "too_short" and loc == ("stages",):
         fix = "add at least one stage: - name: ..., model: {type: ...}"
     # pydantic's model_type message names the internal class ("... or instance of StageConfig")

@@ -11,7 +11,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from cascade_ray.text import short_repr
+
 STAGE_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+# Upper bounds past which a value is certainly a mistake (a typo'd exponent, a byte count for a
+# sample count), not a big job: each is an error naming the key and the bound.
+MAX_EPOCHS = 100_000
+MAX_OPTIMIZER_STEPS = 10**9
+MAX_BATCH_SIZE = 2**20
+MAX_ACCUMULATION_STEPS = 2**16
+MAX_WORKERS = 4096
+MAX_CLASSES = 2**24
 
 
 class _Strict(BaseModel):
@@ -62,7 +72,7 @@ class TargetConfig(_Strict):
         "`regression`: a number, or a list of `dim` numbers, per row.",
     )
     num_classes: int | None = Field(
-        None, ge=2, description="Classes (class, multilabel); null infers them from the data."
+        None, ge=2, le=MAX_CLASSES, description="Classes (class, multilabel); null infers them from the data."
     )
     dim: int | None = Field(None, ge=1, description="Regression: values per row; null infers them (1 for a scalar).")
 
@@ -143,7 +153,7 @@ class DataConfig(_Strict):
             part = dict(value.get(section) or {})
             if key in part and part[key] != given:
                 raise ValueError(
-                    f"data.{alias} ({given!r}) and data.{section}.{key} ({part[key]!r}) disagree; keep data.{section}.{key}"
+                    f"data.{alias} ({short_repr(given)}) and data.{section}.{key} ({short_repr(part[key])}) disagree; keep data.{section}.{key}"
                 )
             part[key] = given
             value[section] = part
@@ -367,6 +377,7 @@ class SolverConfig(_Strict):
     accumulation_steps: int = Field(
         1,
         ge=1,
+        le=MAX_ACCUMULATION_STEPS,
         description="Micro-batches per optimizer step: the loss is divided by the window size, the "
         "optimizer and scheduler step once per window (the last window of an epoch may be shorter), "
         "and DDP syncs gradients only on a window's last micro-batch.",
@@ -421,18 +432,22 @@ class TrainConfig(_Strict):
     epochs: int = Field(
         1,
         ge=0,
+        le=MAX_EPOCHS,
         description="Passes over the training split. `0` makes an import-only stage (only with "
         "`stages[i].pretrained`): the weights are loaded, frozen and written as the stage's artifact on the "
         "driver, with no Ray Train job; its record's status is `imported`.",
     )
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps even if epochs remain.")
+    max_steps: int | None = Field(
+        None, ge=1, le=MAX_OPTIMIZER_STEPS, description="Stop after this many optimizer steps even if epochs remain."
+    )
     batch_size: int = Field(
         128,
         ge=1,
+        le=MAX_BATCH_SIZE,
         description="Samples per micro-batch (one forward/backward) per worker; an optimizer step sees "
         "batch_size x solver.accumulation_steps x workers samples.",
     )
-    eval_batch_size: int = Field(512, ge=1, description="Samples per validation batch per worker.")
+    eval_batch_size: int = Field(512, ge=1, le=MAX_BATCH_SIZE, description="Samples per validation batch per worker.")
     log_interval: int = Field(50, ge=1, description="Print a progress line every this many optimizer steps (rank 0).")
     augment: AugmentConfig = Field(
         default_factory=AugmentConfig, description="Random augmentation of this stage's training batches."
@@ -562,7 +577,7 @@ class HealthConfig(_Strict):
 class ScalingConfig(_Strict):
     """Ray Train scaling for this stage's TorchTrainer."""
 
-    num_workers: int = Field(1, ge=1, description="Training worker processes (DDP ranks).")
+    num_workers: int = Field(1, ge=1, le=MAX_WORKERS, description="Training worker processes (DDP ranks).")
     use_gpu: bool | Literal["auto"] = Field(
         "auto",
         description="`true`: one GPU per worker (NCCL backend); `false`: CPU workers (gloo); `auto`: GPUs "

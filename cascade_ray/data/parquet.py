@@ -22,6 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from cascade_ray.config.schema import MAX_CLASSES
 from cascade_ray.data.splits import (
     DataSplits,
     input_stats,
@@ -236,7 +237,7 @@ def load_parquet(
     cols = (input_column, target_column, input_shape, target_kind)
     x_all, y_all = _read(path, "data.path", *cols)
     x_test, y_test = _read(test_path, "data.test_path", *cols)
-    width = _target_width(y_all, y_test, target_kind, num_classes, target_dim)
+    width = _target_width(y_all, y_test, target_kind, num_classes, target_dim, target_column)
     x_tr, y_tr, x_val, y_val = stratified_subset_and_val(
         x_all, y_all, train_size=train_size, val_fraction=val_fraction, seed=seed, stratify=target_kind == "class"
     )
@@ -258,10 +259,25 @@ def load_parquet(
     return splits
 
 
-def _target_width(y: np.ndarray, y_test: np.ndarray, kind: str, num_classes: int | None, dim: int | None) -> int:
-    """The output width the targets call for, checked against data.target.num_classes / dim."""
+def _target_width(
+    y: np.ndarray, y_test: np.ndarray, kind: str, num_classes: int | None, dim: int | None, column: str = "label"
+) -> int:
+    """The output width the targets call for, checked against data.target.num_classes / dim.
+
+    Inferred class counts are range-checked here, before anything is allocated per class
+    (a label 2**40 would otherwise be a ``bincount`` of 2**40 counters: a MemoryError).
+    """
     if kind == "class":
-        return num_classes if num_classes is not None else int(max(y.max(), y_test.max())) + 1
+        if num_classes is not None:
+            return num_classes
+        for key, labels in (("data.path", y), ("data.test_path", y_test)):
+            if len(labels) and np.issubdtype(labels.dtype, np.integer) and int(labels.max()) >= MAX_CLASSES:
+                raise DataError(
+                    f"{key}: label column {column!r} holds the class label {int(labels.max())}, so data.target.num_classes "
+                    f"would be inferred as {int(labels.max()) + 1}, over the bound of {MAX_CLASSES} classes; fix the labels "
+                    "(class indices 0 .. num_classes - 1), or set data.target.num_classes"
+                )
+        return int(max(y.max(), y_test.max())) + 1
     held = int(y.shape[1])
     key, given = ("data.target.dim", dim) if kind == "regression" else ("data.target.num_classes", num_classes)
     if given is not None and given != held:

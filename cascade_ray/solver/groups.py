@@ -17,6 +17,7 @@ from torch import nn
 from cascade_ray.config.schema import SolverConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.solver.optim import optimizer_args
+from cascade_ray.text import short_repr
 
 NamedParams = Sequence[tuple[str, nn.Parameter]]
 
@@ -36,7 +37,7 @@ def unmatched_group_issues(names: Sequence[str], solver: SolverConfig, path: str
             continue
         hits = [n for n in names if re.search(group.match, n)]
         why = (
-            f"every parameter it matches is taken by an earlier group (first match wins), e.g. {hits[0]!r}"
+            f"every parameter it matches is taken by an earlier group (first match wins), e.g. {short_repr(hits[0])}"
             if hits
             else "it matches no trainable parameter"
         )
@@ -44,7 +45,7 @@ def unmatched_group_issues(names: Sequence[str], solver: SolverConfig, path: str
         issues.append(
             ConfigIssue(
                 f"{path}.param_groups[{j}].match",
-                f"pattern {group.match!r} of stage {stage!r} selects nothing: {why}. Trainable parameters: {sample}",
+                f"pattern {short_repr(group.match)} of stage {stage!r} selects nothing: {why}. Trainable parameters: {sample}",
                 "fix the regex (it is searched in the full parameter name), reorder the groups, or remove this group",
             )
         )
@@ -65,7 +66,7 @@ def build_param_groups(named: NamedParams, solver: SolverConfig, path: str, stag
     groups = []
     for j in [*range(len(solver.param_groups)), -1]:
         settings = optimizer_args(solver) | (optimizer_args(solver.param_groups[j]) if j >= 0 else {})
-        label = f"param_groups[{j}] {solver.param_groups[j].match!r}" if j >= 0 else "default"
+        label = f"param_groups[{j}] {short_repr(solver.param_groups[j].match)}" if j >= 0 else "default"
         members = [(n, p) for (n, p), owner in zip(named, owners) if owner == j]
         for decay in (True, False):
             part = [(n, p) for n, p in members if (p.ndim >= 2 or solver.decay_bias_and_norm) == decay]

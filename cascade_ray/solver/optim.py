@@ -17,6 +17,7 @@ import torch
 from cascade_ray.config.schema import GradClipConfig, ParamGroupConfig, SolverConfig
 from cascade_ray.errors import ConfigIssue
 from cascade_ray.solver.schedule import scheduler_issues
+from cascade_ray.text import short_repr
 
 # Optimizers that cannot drive a whole stage module, and why.
 _UNSUPPORTED = {
@@ -65,7 +66,7 @@ def _arg_issues(solver_type: str, args: dict[str, Any], path: str, names: list[s
             issues.append(
                 ConfigIssue(
                     f"{path}.{key}",
-                    f"optimizer {solver_type} takes no {key!r} argument; it would be silently ignored",
+                    f"optimizer {solver_type} takes no {short_repr(key)} argument; it would be silently ignored",
                     f"remove {path}.{key}, or use an optimizer that takes it ({', '.join(takers)})",
                 )
             )
@@ -80,7 +81,7 @@ def _arg_issues(solver_type: str, args: dict[str, Any], path: str, names: list[s
 
 def solver_issues(solver: SolverConfig, path: str) -> list[ConfigIssue]:
     """Problems with a stage's solver section (unknown optimizer, arguments it does not take, ...)."""
-    from cascade_ray.text import did_you_mean
+    from cascade_ray.text import did_you_mean, short_repr
 
     issues = scheduler_issues(solver.lr_scheduler, f"{path}.lr_scheduler") + clip_issues(
         solver.grad_clip, f"{path}.grad_clip"
@@ -100,7 +101,7 @@ def solver_issues(solver: SolverConfig, path: str) -> list[ConfigIssue]:
             issues.append(
                 ConfigIssue(
                     f"{path}.param_groups[{j}].match",
-                    f"{group.match!r} is not a valid regex: {exc}",
+                    f"{short_repr(group.match)} is not a valid regex: {exc}",
                     r"escape dots as \. and close every bracket",
                 )
             )
@@ -109,7 +110,9 @@ def solver_issues(solver: SolverConfig, path: str) -> list[ConfigIssue]:
         hint = did_you_mean(solver.type, names)
         extra = f" ({solver.type} {_UNSUPPORTED[solver.type]})" if solver.type in _UNSUPPORTED else ""
         return issues + [
-            ConfigIssue(f"{path}.type", f"unknown optimizer {solver.type!r}{hint}{extra} (valid: {', '.join(names)})")
+            ConfigIssue(
+                f"{path}.type", f"unknown optimizer {short_repr(solver.type)}{hint}{extra} (valid: {', '.join(names)})"
+            )
         ]
     issues += _arg_issues(solver.type, optimizer_args(solver), path, names)
     for j, group in enumerate(solver.param_groups):

@@ -11,7 +11,7 @@ right after loading the data (before Ray starts) and ``run_stage`` calls
 from __future__ import annotations
 
 from cascade_ray.config.metrics import metric_mode
-from cascade_ray.config.schema import PipelineConfig, StageConfig
+from cascade_ray.config.schema import MAX_OPTIMIZER_STEPS, PipelineConfig, StageConfig
 from cascade_ray.data.batches import num_optimizer_steps, num_train_batches
 from cascade_ray.errors import ConfigIssue
 from cascade_ray.solver.optim import solver_issues
@@ -20,6 +20,8 @@ from cascade_ray.solver.step import precision_issues
 
 # An explicit length off from the real step count by more than this factor is an error.
 LENGTH_ERROR_FACTOR = 2.0
+# A micro-batch this many times the whole training split is a mistake, not a small dataset.
+BATCH_ERROR_FACTOR = 16
 
 
 def stage_solver_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
@@ -82,6 +84,8 @@ def stage_step_issues(
     main = total - sched.warmup_steps
     errors: list[ConfigIssue] = []
     warnings: list[ConfigIssue] = []
+    errors += _size_errors(stage, path, n_train, world, total, how)
+    warnings += _size_warnings(stage, path, n_train, world)
 
     def length(key: str, value: int | None, what: str) -> None:
         if value is None or value == main:
@@ -157,3 +161,38 @@ def stage_step_issues(
             )
         )
     return errors, warnings
+
+
+def _size_errors(stage: StageConfig, path: str, n_train: int, world: int, total: int, how: str) -> list[ConfigIssue]:
+    """Sizes that are certainly mistakes once the training-set size is known."""
+    errors = []
+    if total > MAX_OPTIMIZER_STEPS:
+        errors.append(
+            ConfigIssue(
+                f"{path}.train.epochs",
+                f"the stage would take {total} optimizer steps ({how}), over the bound of {MAX_OPTIMIZER_STEPS}",
+                "lower train.epochs, or set train.max_steps",
+            )
+        )
+    if stage.train.batch_size > BATCH_ERROR_FACTOR * n_train:
+        errors.append(
+            ConfigIssue(
+                f"{path}.train.batch_size",
+                f"batch_size {stage.train.batch_size} is over {BATCH_ERROR_FACTOR}x the {n_train} training samples",
+                f"set batch_size to at most {n_train}",
+            )
+        )
+    return errors
+
+
+def _size_warnings(stage: StageConfig, path: str, n_train: int, world: int) -> list[ConfigIssue]:
+    per_rank = -(-n_train // world)
+    if per_rank < stage.train.batch_size <= BATCH_ERROR_FACTOR * n_train:
+        return [
+            ConfigIssue(
+                f"{path}.train.batch_size",
+                f"batch_size {stage.train.batch_size} > the {per_rank} training samples per worker: every epoch is one partial batch",
+                f"set batch_size to at most {per_rank}",
+            )
+        ]
+    return []

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 
 from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.config.yaml_io import parse_yaml
 from cascade_ray.errors import ArtifactError, CascadeError, ConfigError, ConfigIssue
 from cascade_ray.models.cascade import CascadeModel, build_cascade
 from cascade_ray.models.metrics import output_predictions, output_probabilities
@@ -242,7 +242,7 @@ def read_run_config(run: StorageDir) -> PipelineConfig:
     file = run / CONFIG_FILE
     if not file.is_file():
         raise CascadeError(f"{run} is not a finished run (no {CONFIG_FILE}): pass {{storage_path}}/{{name}}")
-    return usable_config(yaml.safe_load(file.read_text()), str(file))
+    return usable_config(parse_yaml(file.read_text(), str(file)), str(file))  # strict, like every config
 
 
 def usable_config(raw: Any, source: str) -> PipelineConfig:

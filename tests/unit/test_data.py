@@ -344,3 +344,16 @@ def test_fingerprint_changes_with_each_field():
     ]
     assert len({s.fingerprint(), *(c.fingerprint() for c in changed)}) == 5
     assert dataclasses.replace(s, source="elsewhere").fingerprint() == s.fingerprint()
+
+
+def test_parquet_label_far_out_of_range_is_named_before_any_per_class_allocation(pq_data, tmp_path):
+    """A label 2**40 would infer 2**40 + 1 classes (a bincount of 8 TiB): a DataError naming column and key."""
+    _, x, y, xt, yt = pq_data
+    y = y.copy()
+    y[7] = 2**40
+    write_parquet(tmp_path / "huge-label.parquet", x, y)
+    kw = {"train_size": None, "val_fraction": 0.2, "seed": 0}
+    with pytest.raises(
+        DataError, match=r"data.path: label column 'label' holds the class label 1099511627776.*16777216"
+    ):
+        load_parquet(tmp_path / "huge-label.parquet", test_path=pq_data[0] / "test.parquet", **kw)

@@ -249,6 +249,21 @@ def test_step_count_preflight_reports_both_numbers(debug_raw):
     assert any(e.path == "stages[0].solver.lr_scheduler.warmup_steps" for e in errors)
 
 
+def test_step_count_preflight_bounds_total_steps_and_batch_size_by_the_data(debug_raw):
+    debug_raw["stages"][0]["train"] = {"epochs": 100_000, "batch_size": 1}  # each under its own bound
+    debug_raw["stages"][2]["train"] = {"epochs": 2, "batch_size": 400_000}
+    errors, warnings = step_count_issues(validate_config(debug_raw), 20_000)
+    by_path = {e.path: e for e in errors}
+    assert set(by_path) == {"stages[0].train.epochs", "stages[2].train.batch_size"}, by_path
+    assert "2000000000 optimizer steps" in by_path["stages[0].train.epochs"].message
+    assert "over the bound of 1000000000" in by_path["stages[0].train.epochs"].message
+    assert "at most 20000" in by_path["stages[2].train.batch_size"].fix
+    debug_raw["stages"][2]["train"] = {"epochs": 2, "batch_size": 30_000}  # > the split, < 16x it: only a warning
+    errors, warnings = step_count_issues(validate_config(debug_raw), 20_000)
+    assert "stages[2].train.batch_size" in {w.path for w in warnings}
+    assert "stages[2].train.batch_size" not in {e.path for e in errors}
+
+
 def test_accumulation_windows_cover_every_micro_batch_once():
     windows = list(accumulation_windows(iter(range(10)), 10, 4))
     assert [b for b, _, _ in windows] == list(range(10))
