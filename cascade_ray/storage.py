@@ -22,6 +22,7 @@ import glob
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue, DataError
 
 # Schemes pyarrow.fs.FileSystem.from_uri resolves (Ray Train uses the same call).
 URI_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
@@ -345,6 +346,48 @@ def resolve_files(spec: str | os.PathLike, suffix: str = ".parquet") -> list[Sto
             return sorted(where.rglob(f"*{suffix}"), key=str)
         return sorted(p for p in where.rglob(f"*{suffix}") if p.is_file())
     return [where] if where.is_file() else []
+
+
+def not_regular_reason(path: StorageDir) -> str | None:
+    """Why `path` is not a readable regular file (missing, a FIFO, a device, a folder, a symlink
+    loop), or None. Only ``stat`` is used, never ``open``: opening a FIFO blocks until a writer
+    appears. Objects on remote storage are always regular; only their absence is reported."""
+    local = local_path(path)
+    if local is None:
+        return None if path.is_file() else "does not exist"
+    try:
+        mode = os.stat(local).st_mode  # follows symlinks: the target is what would be read
+    except FileNotFoundError:
+        return "does not exist (or is a dangling symlink)" if os.path.islink(local) else "does not exist"
+    except OSError as exc:  # ELOOP (a symlink loop), EACCES on a parent folder, ...
+        return f"cannot be inspected ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {
+        stat.S_ISDIR: "a folder",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
+    return (
+        "is "
+        + next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+        + ", not a regular file"
+    )
+
+
+def require_regular_file(path: StorageDir, what: str, error: type[CascadeError] = DataError) -> None:
+    """Raise `error` naming `what` and `path` unless `path` is a regular file (see :func:`not_regular_reason`).
+
+    Args:
+        path: the file about to be opened.
+        what: the config key or role of the file (``data.path``, ``artifact weights``).
+        error: the error type to raise (one whose constructor takes a message).
+    """
+    reason = not_regular_reason(path)
+    if reason is not None:
+        raise error(f"{what}: {redact(str(path))!r} {reason}; point it at a regular file")
 
 
 def in_ray_job() -> bool:
