@@ -330,7 +330,12 @@ def write_table(table: pa.Table, path: StorageDir, row_group_rows: int | None = 
 def resolve_files(spec: str | os.PathLike, suffix: str = ".parquet") -> list[StorageDir]:
     """A file, every ``*<suffix>`` file under a folder or prefix, or the files a glob matches
     (``**`` spans folders), local or on a URI; sorted, so the row order is deterministic.
-    Empty when nothing matches."""
+    Empty when nothing matches; files that are not regular (FIFOs, devices) are skipped in a
+    folder or glob.
+
+    Raises:
+        DataError: `spec` names one local path that is not a regular file (FIFO, device, symlink loop).
+    """
     where = as_storage(spec, "data.path")
     text = where.path if isinstance(where, UriPath) else str(where)
     if any(c in GLOB_CHARS for c in text):
@@ -341,6 +346,10 @@ def resolve_files(spec: str | os.PathLike, suffix: str = ".parquet") -> list[Sto
             base = where._at(base_text)
             return sorted((f for f in base.rglob(pattern)), key=str)
         return sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+    if isinstance(where, Path) and os.path.lexists(where) and not where.is_dir():
+        reason = not_regular_reason(where)  # a FIFO, device or symlink loop: refused, never opened
+        if reason is not None:
+            raise DataError(f"{redact(str(where))!r} {reason}; point it at a .parquet file, a folder or a glob")
     if where.is_dir():
         if isinstance(where, UriPath):
             return sorted(where.rglob(f"*{suffix}"), key=str)
