@@ -242,7 +242,8 @@ def _checked_rows(folder: StorageDir, key: str, shape: tuple[int, ...]) -> dict[
             raise ValueError(f"its {split} shards differ from those {META_FILE} lists (missing, added or renamed)")
         changed = [name for name, digest in held[split].items() if meta["shards"][split][name] != digest]
         if changed:
-            raise ValueError(f"{split} shard {changed[0]} does not match its sha256 in {META_FILE}")
+            shard = redact(str(folder / split / changed[0]))
+            raise ValueError(f"{split} shard {shard} does not match its sha256 in {META_FILE}")
         files, fs = _files(folder / split)
         rows = sum(pq.ParquetFile(fs.open_input_file(f) if fs else f).metadata.num_rows for f in files)
         if rows != int(meta["rows"][split]):
