@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from cascade_ray.errors import ArtifactError
-from cascade_ray.storage import StorageDir
+from cascade_ray.storage import StorageDir, not_regular_reason
 
 MANIFEST_FIX = "the artifact is damaged or from another version: re-run the stage (without --resume) to retrain it"
 SUMMARY_FIX = "the run's summary is damaged or from another version: re-run the pipeline to write it again"
@@ -213,6 +213,9 @@ def _problem(exc: ValidationError) -> str:
 
 
 def _read(path: StorageDir, model: type[_Record], fix: str) -> Any:
+    reason = not_regular_reason(path)  # stat only: reading a FIFO would block
+    if reason is not None:
+        raise ArtifactError(f"{path}: unreadable ({reason}); {fix}")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:

@@ -430,3 +430,13 @@ def test_read_manifest_refuses_an_edited_field_and_accepts_the_written_one(tmp_p
     (path / MANIFEST).write_text(json.dumps(raw))
     with pytest.raises(ArtifactError, match="do not match its manifest_sha256"):
         read_manifest(path / MANIFEST)
+
+
+def test_a_fifo_as_summary_or_manifest_is_refused_without_opening_it(tmp_path):
+    from cascade_ray.pipeline.records import read_summary
+
+    fifo = tmp_path / "summary.json"
+    os.mkfifo(fifo)
+    for read in (read_summary, read_manifest):
+        error = _in_thread(lambda read=read: read(fifo))
+        assert isinstance(error, ArtifactError) and f"{fifo}: unreadable (is a FIFO" in str(error), error
