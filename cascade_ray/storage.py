@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue, DataError
+from cascade_ray.errors import ConfigError, ConfigIssue, DataError
 
 # Schemes pyarrow.fs.FileSystem.from_uri resolves (Ray Train uses the same call).
 URI_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
@@ -384,19 +384,6 @@ def not_regular_reason(path: StorageDir) -> str | None:
         + next((name for test, name in kinds.items() if test(mode)), "not a regular file")
         + ", not a regular file"
     )
-
-
-def require_regular_file(path: StorageDir, what: str, error: type[CascadeError] = DataError) -> None:
-    """Raise `error` naming `what` and `path` unless `path` is a regular file (see :func:`not_regular_reason`).
-
-    Args:
-        path: the file about to be opened.
-        what: the config key or role of the file (``data.path``, ``artifact weights``).
-        error: the error type to raise (one whose constructor takes a message).
-    """
-    reason = not_regular_reason(path)
-    if reason is not None:
-        raise error(f"{what}: {redact(str(path))!r} {reason}; point it at a regular file")
 
 
 def in_ray_job() -> bool:
