@@ -22,6 +22,7 @@ import glob
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.errors import ConfigError, ConfigIssue, DataError
 from cascade_ray.text import short_repr
 
 # Schemes pyarrow.fs.FileSystem.from_uri resolves (Ray Train uses the same call).
@@ -343,7 +344,12 @@ def write_table(table: pa.Table, path: StorageDir, row_group_rows: int | None = 
 def resolve_files(spec: str | os.PathLike, suffix: str = ".parquet") -> list[StorageDir]:
     """A file, every ``*<suffix>`` file under a folder or prefix, or the files a glob matches
     (``**`` spans folders), local or on a URI; sorted, so the row order is deterministic.
-    Empty when nothing matches."""
+    Empty when nothing matches; files that are not regular (FIFOs, devices) are skipped in a
+    folder or glob.
+
+    Raises:
+        DataError: `spec` names one local path that is not a regular file (FIFO, device, symlink loop).
+    """
     where = as_storage(spec, "data.path")
     text = where.path if isinstance(where, UriPath) else str(where)
     if any(c in GLOB_CHARS for c in text):
@@ -354,11 +360,44 @@ def resolve_files(spec: str | os.PathLike, suffix: str = ".parquet") -> list[Sto
             base = where._at(base_text)
             return sorted((f for f in base.rglob(pattern)), key=str)
         return sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+    if isinstance(where, Path) and os.path.lexists(where) and not where.is_dir():
+        reason = not_regular_reason(where)  # a FIFO, device or symlink loop: refused, never opened
+        if reason is not None:
+            raise DataError(f"{redact(str(where))!r} {reason}; point it at a .parquet file, a folder or a glob")
     if where.is_dir():
         if isinstance(where, UriPath):
             return sorted(where.rglob(f"*{suffix}"), key=str)
         return sorted(p for p in where.rglob(f"*{suffix}") if p.is_file())
     return [where] if where.is_file() else []
+
+
+def not_regular_reason(path: StorageDir) -> str | None:
+    """Why `path` is not a readable regular file (missing, a FIFO, a device, a folder, a symlink
+    loop), or None. Only ``stat`` is used, never ``open``: opening a FIFO blocks until a writer
+    appears. Objects on remote storage are always regular; only their absence is reported."""
+    local = local_path(path)
+    if local is None:
+        return None if path.is_file() else "does not exist"
+    try:
+        mode = os.stat(local).st_mode  # follows symlinks: the target is what would be read
+    except FileNotFoundError:
+        return "does not exist (or is a dangling symlink)" if os.path.islink(local) else "does not exist"
+    except OSError as exc:  # ELOOP (a symlink loop), EACCES on a parent folder, ...
+        return f"cannot be inspected ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {
+        stat.S_ISDIR: "a folder",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
+    return (
+        "is "
+        + next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+        + ", not a regular file"
+    )
 
 
 def in_ray_job() -> bool:

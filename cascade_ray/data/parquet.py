@@ -37,6 +37,10 @@ from cascade_ray.storage import STORAGE_ACCESS_FIX, UriPath, as_storage, redact,
 # reader cannot split work below a row group.
 DEFAULT_ROW_GROUP_ROWS = 4096
 
+# The largest class index a label column may hold: the output width and the per-class counts
+# are sized by the largest label, so 2**40 would be a multi-terabyte allocation, not a model.
+MAX_CLASS_INDEX = 1_000_000
+
 SHAPE_METADATA_KEY = b"cascade_ray.image_shape"
 _SHAPE_KEY_TEXT = SHAPE_METADATA_KEY.decode()
 _LIST_TYPES = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
@@ -49,6 +53,8 @@ def _resolve_files(path: str | os.PathLike, knob: str) -> tuple[list[str], pafs.
     paths and their filesystem (None: local)."""
     try:
         files = resolve_files(path)
+    except DataError as exc:  # one named path that is a FIFO, a device, a symlink loop
+        raise DataError(f"{knob}: {exc}") from None
     except OSError as exc:
         raise DataError(f"{knob}: cannot list {redact(os.fspath(path))!r} ({exc}); {STORAGE_ACCESS_FIX}") from exc
     if not files:
@@ -137,6 +143,13 @@ def _targets(col: pa.Array, kind: str, where: str) -> np.ndarray:
             )
         if np.issubdtype(y.dtype, np.floating) and not np.isfinite(y).all():
             raise DataError(f"{where}: labels hold NaN/Inf; drop those rows")
+        # checked before anything is sized by them (the output width, a bincount of the classes)
+        if len(y) and (y.min() < 0 or y.max() > MAX_CLASS_INDEX):
+            bad = y.min() if y.min() < 0 else y.max()
+            raise DataError(
+                f"{where}: label {int(bad)} is outside [0, {MAX_CLASS_INDEX}]; class labels are indices from 0 "
+                "(for numeric targets set data.target.kind: regression)"
+            )
         return y.astype(np.int64)
     if is_list:
         values, _ = _list_values(col, where, "target")
@@ -162,9 +175,20 @@ def _read(
                 f"{where}: column(s) {missing} not found (columns: {dataset.schema.names}); "
                 "set data.inputs.column / data.target.column"
             )
-        table = dataset.to_table(columns=[input_column, target_column])
-        # Footers only: cheap, and catches files written with different input shapes.
-        metas = {(pq.read_schema(f, filesystem=fs).metadata or {}).get(SHAPE_METADATA_KEY) for f in files}
+        # Footers only: cheap, and catches files written with different input shapes or column
+        # types (the dataset would silently cast every file to the first file's types).
+        schemas = [pq.read_schema(f, filesystem=fs) for f in files]
+        metas = {(schema.metadata or {}).get(SHAPE_METADATA_KEY) for schema in schemas}
+        columns = (input_column, target_column)
+        first = [dataset.schema.field(c).type for c in columns]
+        for f, schema in zip(files, schemas, strict=True):
+            types = [schema.field(c).type if c in schema.names else None for c in columns]
+            if types != first:
+                raise DataError(
+                    f"{where}: {redact(f)} holds columns {columns} as {[str(t) for t in types]}, the first file as "
+                    f"{[str(t) for t in first]}; every file of a data path must have the same schema"
+                )
+        table = dataset.to_table(columns=list(columns))
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{where}: cannot read parquet ({exc}); the files are corrupt or their schemas differ") from exc
     if len(metas) > 1:

@@ -75,11 +75,22 @@ def file_issue(pretrained: PretrainedConfig, key: str) -> ConfigIssue | None:
     return None
 
 
+def _check_framing(path: Path) -> None:
+    """An oversized or damaged safetensors header is refused before safetensors allocates for it."""
+    from cascade_ray.models.weights import safetensors_header_problem
+
+    problem = safetensors_header_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def read_meta(path: str | Path) -> TensorMeta:
     """Key -> (shape, dtype) of a state-dict file; a safetensors file's header only."""
     p = Path(path).expanduser()
     if p.suffix == ".safetensors":
         from safetensors import safe_open
+
+        _check_framing(p)
 
         out: TensorMeta = {}
         with safe_open(str(p), framework="pt") as f:
@@ -98,6 +109,8 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     p = Path(path).expanduser()
     if p.suffix == ".safetensors":
         from safetensors.torch import load_file
+
+        _check_framing(p)
 
         return load_file(str(p))
     state = torch.load(p, map_location="cpu", weights_only=True)

@@ -7,6 +7,8 @@ shares numpy arrays zero-copy (read-only), while torch tensors are copied per re
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -16,6 +18,10 @@ import torch
 from torch import nn
 
 NumpyState = dict[str, np.ndarray]
+
+# safetensors' own reader refuses headers above 100 MB, after allocating for them; a header this
+# size describes millions of tensors, far beyond any cascade stage.
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
 
 
 def to_numpy_state(state: Mapping[str, torch.Tensor]) -> NumpyState:
@@ -65,8 +71,45 @@ def save_safetensors(
     save_file(arrays, str(path), metadata=metadata)
 
 
+def safetensors_header_problem(path: str | Path) -> str | None:
+    """What is wrong with a safetensors file's framing, or None; reads 8 bytes, then the header.
+
+    The first 8 bytes are the header's length (little-endian): it is checked against
+    :data:`SAFETENSORS_HEADER_MAX_BYTES` and the file's size before the header is read, and the
+    header must be a JSON object. The caller has checked that `path` is a regular file.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short for a safetensors file"
+        length = int.from_bytes(head, "little")
+        if length > SAFETENSORS_HEADER_MAX_BYTES or length > size - 8:
+            return (
+                f"its header claims {length} bytes (file: {size} bytes, limit {SAFETENSORS_HEADER_MAX_BYTES}); "
+                "the file is damaged or not a safetensors file"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:  # UnicodeDecodeError is one
+            return f"its header is not JSON ({str(exc)[:80]})"
+    return None if isinstance(header, dict) else f"its header is a JSON {type(header).__name__}, not an object"
+
+
 def load_safetensors(path: str | Path) -> NumpyState:
-    """Read a safetensors file into a numpy state dict."""
+    """Read a safetensors file into a numpy state dict.
+
+    Raises:
+        ValueError: naming the file, when its framing is damaged (:func:`safetensors_header_problem`)
+            or safetensors cannot parse it.
+    """
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    return load_file(str(path))
+    problem = safetensors_header_problem(path)
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}")
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None

@@ -25,8 +25,8 @@ import numpy as np
 from cascade_ray import __version__
 from cascade_ray.errors import ArtifactError
 from cascade_ray.models.weights import NumpyState, load_safetensors, save_safetensors, state_digests
-from cascade_ray.pipeline.records import Manifest, ManifestFields, manifest_text, read_manifest
-from cascade_ray.storage import StorageDir, UriPath, local_copy, parse_uri
+from cascade_ray.pipeline.records import Manifest, ManifestFields, manifest_text, read_manifest, seal_manifest
+from cascade_ray.storage import StorageDir, UriPath, local_copy, not_regular_reason, parse_uri
 
 WEIGHTS = "weights.safetensors"
 MANIFEST = "manifest.json"
@@ -60,11 +60,14 @@ def file_sha256(path: StorageDir) -> str:
 
 
 def _complete(fields: ManifestFields, weights: Path, state: NumpyState) -> Manifest:
-    return Manifest(
-        **fields.model_dump(),
-        cascade_ray_version=__version__,
-        weights_sha256=file_sha256(weights),
-        tensor_digests=state_digests(state),
+    return seal_manifest(
+        Manifest(
+            **fields.model_dump(),
+            cascade_ray_version=__version__,
+            weights_sha256=file_sha256(weights),
+            tensor_digests=state_digests(state),
+            manifest_sha256="",
+        )
     )
 
 
@@ -108,17 +111,32 @@ def read_artifact(directory: str | StorageDir) -> tuple[Artifact, NumpyState]:
     """Load and verify an artifact (file hash and every tensor digest)."""
     path = as_storage_dir(directory)
     retrain = "delete the folder and rerun the pipeline to retrain this stage"
+    for name in (MANIFEST, WEIGHTS):  # a FIFO or device is refused before anything opens it
+        reason = not_regular_reason(path / name)
+        if reason is not None:
+            raise ArtifactError(f"artifact {path}: {name} {reason}; {retrain}")
     manifest = read_manifest(path / MANIFEST)  # ArtifactError naming the file and key when malformed
     weights = path / WEIGHTS
-    if not weights.is_file():
-        raise ArtifactError(f"artifact {path}: {WEIGHTS} is missing; {retrain}")
     with local_copy(weights) as local:  # one download from remote storage, hashed and loaded
         if file_sha256(local) != manifest.weights_sha256:
             raise ArtifactError(f"artifact {path}: {WEIGHTS} does not match its sha256 in {MANIFEST}; {retrain}")
-        state = load_safetensors(local)
+        try:
+            state = load_safetensors(local)
+        except ValueError as exc:
+            raise ArtifactError(f"artifact {path}: {WEIGHTS}: {exc}; {retrain}") from None
     if state_digests(state) != manifest.tensor_digests:
         raise ArtifactError(f"artifact {path}: tensor digests differ from {MANIFEST}; {retrain}")
+    bad = non_finite(state)
+    if bad:
+        raise ArtifactError(f"artifact {path}: {WEIGHTS} holds NaN/Inf in {', '.join(bad[:3])}; {retrain}")
     return Artifact(path, manifest), state
+
+
+def non_finite(state: NumpyState) -> list[str]:
+    """Keys of the floating-point tensors of `state` that hold a NaN or an infinity, sorted."""
+    return sorted(
+        k for k, v in state.items() if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()
+    )
 
 
 def frozen_changes(before: NumpyState, after: NumpyState) -> list[str]:

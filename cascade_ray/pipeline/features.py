@@ -14,7 +14,12 @@ frozen digests and the artifact are exactly what they are without the cache.
 
 The Parquet file is keyed by the upstream hand-off's fingerprint (every upstream config,
 the data and the seed) and the digest of the upstream weights that compute the features,
-so a retrained upstream never reads stale features. When the previous stage itself
+so a retrained upstream never reads stale features. Its schema metadata also holds the
+sha256 of the feature bytes (``cascade_ray.sha256``, :func:`features_digest`) and the row-order
+key (``cascade_ray.rows``, :func:`rows_key`: the digest of the labels in the order the rows
+follow); both are checked on read. A damaged file (truncated, edited, reordered, its digest
+missing) is recomputed with a warning naming it under ``auto`` and is an
+:class:`~cascade_ray.errors.ArtifactError` naming it under ``on``. When the previous stage itself
 trained on cached features, the next cache is computed from those (one module instead of
 the whole chain).
 """
@@ -37,11 +42,11 @@ import torch
 
 from cascade_ray.checks.semantic import cache_refusals
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.errors import ResourceError
+from cascade_ray.errors import ArtifactError, ResourceError
 from cascade_ray.pipeline.records import FeatureCacheRecord
-from cascade_ray.storage import StorageDir, write_table
+from cascade_ray.storage import StorageDir, not_regular_reason, redact, write_table
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: content digest and row-order key in the metadata
 CACHE_DIR = "cache"
 SPLITS = ("train", "val")
 EVAL_BATCH = 512
@@ -147,7 +152,8 @@ def prepare_feature_cache(
     key = cache_key(upstream.fingerprint, upstream.state, upstream_names)
     path = out / CACHE_DIR / stage.name / f"{key[:16]}.parquet"
     t0 = time.perf_counter()
-    arrays = _read_parquet(path, key, sizes, log, stage.name)
+    rows = rows_key(ray.get(data_ref))
+    arrays = _read_parquet(path, key, sizes, log, stage.name, rows=rows, strict=stage.freeze.cache_features == "on")
     status, nodes = "read", []
     if arrays is None:
         need = 4 * math.prod(in_shape) * sum(sizes.values())
@@ -164,7 +170,7 @@ def prepare_feature_cache(
         arrays, nodes = compute_features(
             cfg, index, data_ref, upstream.ref, previous.ref if start else None, start, sizes
         )
-        _write_parquet(path, key, arrays)
+        _write_parquet(path, key, arrays, rows)
         status = "computed"
     shape = tuple(arrays["x_train"].shape[1:])
     cache = FeatureCache(stage.name, ray.put(arrays), key, shape, path, status, time.perf_counter() - t0, tuple(nodes))
@@ -322,9 +328,31 @@ def upstream_outputs(
     return out
 
 
-def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray]) -> None:
-    """One row per sample (``split``, flattened ``x``); shapes and the key in the schema metadata.
-    Local files are written to a temporary name and renamed into place (:func:`write_table`)."""
+def features_digest(arrays: dict[str, np.ndarray]) -> str:
+    """sha256 of the cached features: per split (in :data:`SPLITS` order) its name, shape and float32 bytes."""
+    h = hashlib.sha256()
+    for split in SPLITS:
+        x = np.ascontiguousarray(arrays[f"x_{split}"], dtype=np.float32)
+        h.update(f"{split}{x.shape}".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()
+
+
+def rows_key(data: dict[str, Any]) -> str:
+    """The row-order key: sha256 of the train and val labels in the order the cached rows follow
+    (data splits as :meth:`~cascade_ray.data.DataSplits.to_arrays` holds them)."""
+    h = hashlib.sha256()
+    for split in SPLITS:
+        y = np.ascontiguousarray(data[f"y_{split}"])
+        h.update(f"{split}{y.dtype.str}{y.shape}".encode())
+        h.update(y.tobytes())
+    return h.hexdigest()
+
+
+def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray], rows: str) -> None:
+    """One row per sample (``split``, flattened ``x``); shapes, the key, the features' sha256 and the
+    row-order key `rows` in the schema metadata. Local files are written to a temporary name and
+    renamed into place (:func:`write_table`)."""
     shape = arrays["x_train"].shape[1:]
     width = math.prod(shape)
     columns = {"split": [], "x": []}
@@ -338,33 +366,74 @@ def _write_parquet(path: StorageDir, key: str, arrays: dict[str, np.ndarray]) ->
             "cascade_ray.key": key,
             "cascade_ray.shape": json.dumps(list(shape)),
             "cascade_ray.version": str(CACHE_VERSION),
+            "cascade_ray.sha256": features_digest(arrays),
+            "cascade_ray.rows": rows,
         }
     )
     write_table(table, path)
 
 
 def _read_parquet(
-    path: StorageDir, key: str, sizes: dict[str, int], log: Callable[[str], None], stage: str
+    path: StorageDir,
+    key: str,
+    sizes: dict[str, int],
+    log: Callable[[str], None],
+    stage: str,
+    *,
+    rows: str,
+    strict: bool,
 ) -> dict[str, np.ndarray] | None:
-    """The stored features when the file exists and matches the key and the split sizes; a
-    damaged or mismatched file is reported and recomputed (it is a cache, never the source)."""
+    """The stored features when the file exists and matches the key, the split sizes, its own
+    sha256 and the row-order key `rows`; None to compute them.
+
+    A damaged or mismatched file is recomputed with a warning naming it (it is a cache, never
+    the source), or, with `strict` (``cache_features: on``), an error naming it.
+
+    Raises:
+        ArtifactError: `strict` and the stored file is damaged or does not match.
+    """
     if not path.exists():
         return None
     try:
-        with path.open("rb") as source:
-            table = pq.read_table(source)
-        meta = table.schema.metadata or {}
-        if meta.get(b"cascade_ray.key", b"").decode() != key:
-            raise ValueError("its key does not match the upstream")
-        shape = tuple(json.loads(meta[b"cascade_ray.shape"]))
-        splits = table.column("split").to_numpy(zero_copy_only=False)
-        flat = table.column("x").combine_chunks().flatten().to_numpy()
-        x = flat.reshape(len(splits), *shape)
-        arrays = {f"x_{s}": x[splits == s] for s in SPLITS}
-        counts = {s: len(arrays[f"x_{s}"]) for s in SPLITS}
-        if counts != sizes:
-            raise ValueError(f"it holds {counts} samples, the data has {sizes}")
-        return arrays
-    except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
-        log(f"  {stage}: stored feature cache {path} not used ({exc}); recomputing")
+        return _checked_features(path, key, sizes, rows)
+    except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed (or, strict, reported)
+        where = redact(str(path))
+        if strict:
+            raise ArtifactError(
+                f"stored feature cache {where} of stage {stage!r} is damaged ({exc}); delete the file to recompute "
+                "it, or set freeze.cache_features: auto to recompute damaged caches with a warning"
+            ) from None
+        log(f"  WARNING: {stage}: stored feature cache {where} is damaged ({exc}); recomputing it")
         return None
+
+
+def _checked_features(path: StorageDir, key: str, sizes: dict[str, int], rows: str) -> dict[str, np.ndarray]:
+    """The features of a stored cache file; ValueError saying what does not match."""
+    reason = not_regular_reason(path)
+    if reason is not None:  # a FIFO would block the open
+        raise ValueError(f"it {reason}")
+    with path.open("rb") as source:
+        table = pq.read_table(source)
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    missing = [f"cascade_ray.{k}" for k in ("key", "shape", "sha256", "rows") if f"cascade_ray.{k}" not in meta]
+    if missing:
+        raise ValueError(f"its metadata lacks {', '.join(missing)}")
+    if meta["cascade_ray.key"] != key:
+        raise ValueError("its key does not match the upstream")
+    if meta["cascade_ray.rows"] != rows:
+        raise ValueError("its row-order key does not match the data's rows (reordered or other rows)")
+    shape = json.loads(meta["cascade_ray.shape"])
+    if not isinstance(shape, list) or not all(type(d) is int and d > 0 for d in shape):
+        raise ValueError(f"its shape metadata {meta['cascade_ray.shape'][:60]!r} is not a list of positive ints")
+    width = table.schema.field("x").type.list_size if pa.types.is_fixed_size_list(table.schema.field("x").type) else -1
+    if width != math.prod(shape):
+        raise ValueError(f"its shape metadata {shape} does not fit its rows of {width} values")
+    splits = table.column("split").to_numpy(zero_copy_only=False)
+    x = table.column("x").combine_chunks().flatten().to_numpy().reshape(len(splits), *shape)
+    arrays = {f"x_{s}": x[splits == s] for s in SPLITS}
+    counts = {s: len(arrays[f"x_{s}"]) for s in SPLITS}
+    if counts != sizes:
+        raise ValueError(f"it holds {counts} samples, the data has {sizes}")
+    if features_digest(arrays) != meta["cascade_ray.sha256"]:
+        raise ValueError("its features do not match their sha256 (altered or corrupted)")
+    return arrays

@@ -13,13 +13,14 @@ reused stage's record copies every one of them from its manifest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from cascade_ray.errors import ArtifactError
-from cascade_ray.storage import StorageDir
+from cascade_ray.storage import StorageDir, not_regular_reason
 
 MANIFEST_FIX = "the artifact is damaged or from another version: re-run the stage (without --resume) to retrain it"
 SUMMARY_FIX = "the run's summary is damaged or from another version: re-run the pipeline to write it again"
@@ -108,6 +109,10 @@ class Manifest(ManifestFields):
     cascade_ray_version: str = Field(description="Package version that wrote the artifact.")
     weights_sha256: str = Field(description="sha256 of ``weights.safetensors``.")
     tensor_digests: dict[str, str] = Field(description="State-dict key -> digest of every tensor in the file.")
+    manifest_sha256: str = Field(
+        description="sha256 of the manifest's canonical JSON without this field (keys sorted, no spaces): an edited "
+        "fingerprint, metric or digest no longer matches it (:func:`seal_manifest`, checked by :func:`read_manifest`)."
+    )
 
 
 class FeatureCacheRecord(_Record):
@@ -208,6 +213,9 @@ def _problem(exc: ValidationError) -> str:
 
 
 def _read(path: StorageDir, model: type[_Record], fix: str) -> Any:
+    reason = not_regular_reason(path)  # stat only: reading a FIFO would block
+    if reason is not None:
+        raise ArtifactError(f"{path}: unreadable ({reason}); {fix}")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -218,9 +226,28 @@ def _read(path: StorageDir, model: type[_Record], fix: str) -> Any:
         raise ArtifactError(f"{path}: {_problem(exc)}; {fix}") from None
 
 
+def manifest_digest(manifest: Manifest) -> str:
+    """sha256 of `manifest`'s canonical JSON, every field but ``manifest_sha256`` (what it vouches for)."""
+    fields = {k: v for k, v in manifest.to_json().items() if k != "manifest_sha256"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal_manifest(manifest: Manifest) -> Manifest:
+    """`manifest` with ``manifest_sha256`` set to the digest of its other fields."""
+    return manifest.model_copy(update={"manifest_sha256": manifest_digest(manifest)})
+
+
 def read_manifest(path: StorageDir) -> Manifest:
-    """A ``manifest.json``, validated; :class:`ArtifactError` naming the file and the bad key otherwise."""
-    return _read(path, Manifest, MANIFEST_FIX)
+    """A ``manifest.json``, validated and checked against its own ``manifest_sha256``;
+    :class:`ArtifactError` naming the file (and the bad key) otherwise."""
+    manifest = _read(path, Manifest, MANIFEST_FIX)
+    if manifest_digest(manifest) != manifest.manifest_sha256:
+        raise ArtifactError(
+            f"{path}: its fields do not match its manifest_sha256 (edited after it was written: a fingerprint, "
+            f"metric or digest changed); {MANIFEST_FIX}"
+        )
+    return manifest
 
 
 def read_summary(path: StorageDir) -> RunSummary:

@@ -8,8 +8,11 @@ actor loads the upstream weights once from the object store and maps a batch of 
 to the stage's inputs (eval mode, no grad, fp32). The outputs go to
 ``{run}/cache/<stage>/<key>/{train,val}/*.parquet`` (column ``x`` flattened float32, the
 target column unchanged) and ``_cache.json`` is written last: it names the key, the feature
-shape and the rows per split, so a folder without it (an interrupted computation) or with
-other counts is recomputed, never read. The stage's workers then stream those shards
+shape, the rows per split and the sha256 of every shard (the row-order key is the shards'
+names in order with their digests), and it is sealed by the sha256 of its own fields. A
+folder without it (an interrupted computation) is computed; one whose counts, shard list or
+shard bytes differ from it is damaged: recomputed with a warning naming it under ``auto``,
+an :class:`~cascade_ray.errors.ArtifactError` naming it under ``on``. The stage's workers then stream those shards
 (:meth:`StreamedCache.datasets`) and start at the stage's own adapter/module.
 
 A stage after a cached stage computes its cache from that cache's shards (one module, not
@@ -18,6 +21,7 @@ the whole chain), as the in-memory cache does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -32,10 +36,11 @@ import ray
 import torch
 
 from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import ArtifactError
 from cascade_ray.logs import quiet_ray_data
 from cascade_ray.pipeline.features import CACHE_DIR, CACHE_VERSION, EVAL_BATCH, SPLITS, cache_decision, cache_key
 from cascade_ray.pipeline.records import FeatureCacheRecord
-from cascade_ray.storage import StorageDir, UriPath, redact
+from cascade_ray.storage import StorageDir, UriPath, not_regular_reason, redact
 
 META_FILE = "_cache.json"
 FEATURES_COLUMN = "x"
@@ -126,14 +131,12 @@ def prepare_streamed_cache(
     key = cache_key(upstream.fingerprint, upstream.state, names)
     folder = out / CACHE_DIR / stage.name / key[:16]
     t0 = time.perf_counter()
-    rows = _stored_rows(folder, key, in_shape, log, stage.name)
+    rows = _stored_rows(folder, key, in_shape, log, stage.name, strict=stage.freeze.cache_features == "on")
     status = "read"
     if rows is None:
         start = previous.stage if previous is not None and previous.stage in names else None
         rows = _compute(cfg, index, stream, upstream.ref, folder, in_shape, previous if start else None, start)
-        (folder / META_FILE).write_text(
-            json.dumps({"key": key, "shape": list(in_shape), "rows": rows, "version": CACHE_VERSION})
-        )
+        write_meta(folder, key, in_shape, rows)
         status = "computed"
     cache = StreamedCache(
         stage.name,
@@ -162,28 +165,90 @@ def _files(folder: StorageDir) -> tuple[list[str], Any]:
     return [str(f) for f in files], None
 
 
+def _shards(folder: StorageDir) -> dict[str, dict[str, str]]:
+    """Split -> shard name (relative to the split's folder, sorted) -> sha256 of the shard's bytes."""
+    from cascade_ray.pipeline.artifacts import file_sha256
+
+    out: dict[str, dict[str, str]] = {}
+    for split in SPLITS:
+        base = folder / split
+        files = sorted(base.rglob("*.parquet"), key=str) if base.exists() else []
+        prefix = len(base.path if isinstance(base, UriPath) else str(base)) + 1
+        out[split] = {}
+        for f in files:
+            reason = not_regular_reason(f)
+            if reason is not None:  # a FIFO would block the hash
+                raise ValueError(f"shard {redact(str(f))} {reason}")
+            out[split][(f.path if isinstance(f, UriPath) else str(f))[prefix:]] = file_sha256(f)
+    return out
+
+
+def _seal(meta: dict[str, Any]) -> str:
+    """sha256 of `meta`'s canonical JSON without its own ``sha256`` field."""
+    fields = {k: v for k, v in meta.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_meta(folder: StorageDir, key: str, shape: tuple[int, ...], rows: dict[str, int]) -> None:
+    """``_cache.json``, written last: key, shape, rows, every shard's sha256, sealed by its own digest."""
+    meta = {"key": key, "shape": list(shape), "rows": rows, "version": CACHE_VERSION, "shards": _shards(folder)}
+    (folder / META_FILE).write_text(json.dumps({**meta, "sha256": _seal(meta)}, sort_keys=True))
+
+
 def _stored_rows(
-    folder: StorageDir, key: str, shape: tuple[int, ...], log: Callable[[str], None], stage: str
+    folder: StorageDir, key: str, shape: tuple[int, ...], log: Callable[[str], None], stage: str, *, strict: bool
 ) -> dict[str, int] | None:
-    """Rows per split of a complete stored cache that matches `key`; None to compute (reported when damaged)."""
+    """Rows per split of a complete stored cache that matches `key`, its shape and its shards'
+    digests; None to compute. A damaged cache is recomputed with a warning naming it, or with
+    `strict` (``cache_features: on``) is an error naming it.
+
+    Raises:
+        ArtifactError: `strict` and the stored cache is damaged or does not match.
+    """
     meta_file = folder / META_FILE
     if not meta_file.exists():
         return None
     try:
-        meta = json.loads(meta_file.read_text())
-        if meta.get("key") != key or meta.get("version") != CACHE_VERSION:
-            raise ValueError("its key does not match the upstream")
-        if [int(d) for d in meta["shape"]] != list(shape):
-            raise ValueError(f"its features are {meta['shape']}, the stage takes {list(shape)}")
-        for split in SPLITS:
-            files, fs = _files(folder / split)
-            held = sum(pq.ParquetFile(fs.open_input_file(f) if fs else f).metadata.num_rows for f in files)
-            if held != int(meta["rows"][split]):
-                raise ValueError(f"{split} holds {held} rows, its {META_FILE} says {meta['rows'][split]}")
-        return {s: int(meta["rows"][s]) for s in SPLITS}
+        return _checked_rows(folder, key, shape)
     except Exception as exc:  # noqa: BLE001 - a damaged cache is recomputed (it is a cache, never the source)
-        log(f"  {stage}: stored feature cache {redact(str(folder))} not used ({exc}); recomputing")
+        where = redact(str(folder))
+        if strict:
+            raise ArtifactError(
+                f"stored feature cache {where} of stage {stage!r} is damaged ({exc}); delete the folder to recompute "
+                "it, or set freeze.cache_features: auto to recompute damaged caches with a warning"
+            ) from None
+        log(f"  WARNING: {stage}: stored feature cache {where} is damaged ({exc}); recomputing it")
         return None
+
+
+def _checked_rows(folder: StorageDir, key: str, shape: tuple[int, ...]) -> dict[str, int]:
+    """Rows per split of a stored cache; ValueError saying what does not match."""
+    meta_file = folder / META_FILE
+    reason = not_regular_reason(meta_file)
+    if reason is not None:
+        raise ValueError(f"{META_FILE} {reason}")
+    meta = json.loads(meta_file.read_text())
+    if not isinstance(meta, dict) or "sha256" not in meta:
+        raise ValueError(f"{META_FILE} is not a JSON object with a sha256")
+    if _seal(meta) != meta["sha256"]:
+        raise ValueError(f"{META_FILE} does not match its sha256 (edited after it was written)")
+    if meta.get("key") != key or meta.get("version") != CACHE_VERSION:
+        raise ValueError("its key does not match the upstream")
+    if [int(d) for d in meta["shape"]] != list(shape):
+        raise ValueError(f"its features are {meta['shape']}, the stage takes {list(shape)}")
+    held = _shards(folder)
+    for split in SPLITS:
+        if list(held[split]) != list(meta["shards"][split]):
+            raise ValueError(f"its {split} shards differ from those {META_FILE} lists (missing, added or renamed)")
+        changed = [name for name, digest in held[split].items() if meta["shards"][split][name] != digest]
+        if changed:
+            shard = redact(str(folder / split / changed[0]))
+            raise ValueError(f"{split} shard {shard} does not match its sha256 in {META_FILE}")
+        files, fs = _files(folder / split)
+        rows = sum(pq.ParquetFile(fs.open_input_file(f) if fs else f).metadata.num_rows for f in files)
+        if rows != int(meta["rows"][split]):
+            raise ValueError(f"{split} holds {rows} rows, its {META_FILE} says {meta['rows'][split]}")
+    return {s: int(meta["rows"][s]) for s in SPLITS}
 
 
 def _clear(folder: StorageDir) -> None:

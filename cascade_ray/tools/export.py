@@ -32,6 +32,7 @@ from torch import nn
 from cascade_ray.config.metrics import HEADLINE_METRIC
 from cascade_ray.errors import CascadeError
 from cascade_ray.pipeline.artifacts import MANIFEST
+from cascade_ray.pipeline.records import read_manifest
 from cascade_ray.storage import StorageDir, staged_dir
 from cascade_ray.tools.export_parity import ParityInputs, headline_score, int8_figures, max_abs_diff, parity_inputs
 from cascade_ray.tools.inference import Cascade, load_cascade, run_summary
@@ -146,8 +147,9 @@ def _export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> str:
 def input_spec(cascade: Cascade) -> dict[str, Any]:
     """What a consumer feeds the exported model and reads from it (``input_spec.json``)."""
     spec = cascade.spec
-    manifest = json.loads((cascade.run / "stages" / cascade.stage / MANIFEST).read_text())
-    raw_dtype = (manifest.get("data_spec") or {}).get("input_dtype")
+    # validated and checked against its own digest (a JSON list or an edited field is an ArtifactError)
+    manifest = read_manifest(cascade.run / "stages" / cascade.stage / MANIFEST)
+    raw_dtype = (manifest.data_spec or {}).get("input_dtype")
     return {
         "stage": cascade.stage,
         "input_shape": ["batch", *spec.input_shape],

@@ -4,10 +4,12 @@ turned off (with the reason logged) when the stage's inputs are not deterministi
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from paths import CONFIGS
@@ -15,6 +17,7 @@ from paths import CONFIGS
 from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
 from cascade_ray.data.source import load_data
+from cascade_ray.errors import ArtifactError
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.features import compute_features, upstream_outputs
 
@@ -92,6 +95,28 @@ def test_a_retrained_stage_reads_the_stored_features_and_trains_bit_identically(
     assert _stage(again, "features")["status"] == "reused" and record["status"] == "trained"
     assert record["feature_cache"]["status"] == "read", lines
     assert record["digest"] == before["digest"]  # read cache == computed cache, to the bit
+
+
+def test_a_damaged_stored_cache_is_an_error_under_on_and_recomputed_under_auto(first):
+    storage, _, summary, _ = first
+    before = _stage(summary, "encoder")
+    path = Path(before["feature_cache"]["path"])
+    table = pq.read_table(path)
+    x = table.column("x").combine_chunks()
+    values = x.flatten().to_numpy().copy()
+    values.view(np.uint32)[7] ^= 1 << 4  # one bit of one feature, the metadata (and its digest) kept
+    flipped = pa.FixedSizeListArray.from_arrays(pa.array(values), x.type.list_size)
+    pq.write_table(
+        pa.table({"split": table.column("split"), "x": flipped}).replace_schema_metadata(table.schema.metadata), path
+    )
+    shutil.rmtree(before["artifact"])
+    with pytest.raises(ArtifactError, match=re.escape(f"stored feature cache {path} of stage 'encoder' is damaged")):
+        _run(storage, ["stages.encoder.freeze.cache_features=on"], resume=True, stop_after="encoder")
+    _, again, lines = _run(storage, resume=True, stop_after="encoder")
+    record = _stage(again, "encoder")
+    assert record["feature_cache"]["status"] == "computed", lines
+    assert any(f"WARNING: encoder: stored feature cache {path} is damaged" in line for line in lines), lines
+    assert record["digest"] == before["digest"]  # recomputed features == the original ones, to the bit
 
 
 def test_cache_off_trains_the_same_stage_through_the_upstream(first):
