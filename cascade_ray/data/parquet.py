@@ -39,7 +39,8 @@ DEFAULT_ROW_GROUP_ROWS = 4096
 
 # The largest class index a label column may hold: the output width and the per-class counts
 # are sized by the largest label, so 2**40 would be a multi-terabyte allocation, not a model.
-MAX_CLASS_INDEX = 1_000_000
+# One bound with the schema's `data.target.num_classes`.
+MAX_CLASS_INDEX = MAX_CLASSES - 1
 
 SHAPE_METADATA_KEY = b"cascade_ray.image_shape"
 _SHAPE_KEY_TEXT = SHAPE_METADATA_KEY.decode()

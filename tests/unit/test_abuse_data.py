@@ -217,7 +217,7 @@ DATA_CASES = [
     DataCase("nan-features", _train(_features(np.nan)), "NaN/Inf value(s)"),
     DataCase("inf-features", _train(_features(np.inf)), "NaN/Inf value(s)"),
     DataCase("negative-label", _train(lambda p: write_parquet(p, _x(), _y() - 1)), "label -1 is outside"),
-    DataCase("label-2-pow-40", _train(lambda p: write_parquet(p, _x(), _y() * 2**40)), "is outside [0, 1000000]"),
+    DataCase("label-2-pow-40", _train(lambda p: write_parquet(p, _x(), _y() * 2**40)), "is outside [0, 16777215]"),
     DataCase("float-label-2-pow-40", _train(lambda p: write_parquet(p, _x(), _y() * 2.0**40)), "is outside"),
     DataCase(
         "label-above-num-classes",
