@@ -289,19 +289,12 @@ def _target_width(
 ) -> int:
     """The output width the targets call for, checked against data.target.num_classes / dim.
 
-    Inferred class counts are range-checked here, before anything is allocated per class
-    (a label 2**40 would otherwise be a ``bincount`` of 2**40 counters: a MemoryError).
+    Class labels were range-checked when read (``_targets``: 0 .. MAX_CLASS_INDEX), so the
+    inferred class count below allocates nothing unbounded.
     """
     if kind == "class":
         if num_classes is not None:
             return num_classes
-        for key, labels in (("data.path", y), ("data.test_path", y_test)):
-            if len(labels) and np.issubdtype(labels.dtype, np.integer) and int(labels.max()) >= MAX_CLASSES:
-                raise DataError(
-                    f"{key}: label column {column!r} holds the class label {int(labels.max())}, so data.target.num_classes "
-                    f"would be inferred as {int(labels.max()) + 1}, over the bound of {MAX_CLASSES} classes; fix the labels "
-                    "(class indices 0 .. num_classes - 1), or set data.target.num_classes"
-                )
         return int(max(y.max(), y_test.max())) + 1
     held = int(y.shape[1])
     key, given = ("data.target.dim", dim) if kind == "regression" else ("data.target.num_classes", num_classes)

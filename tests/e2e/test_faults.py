@@ -57,6 +57,7 @@ CONFIG = """
 name: faults
 seed: 0
 storage_path: /unused
+trusted_modules: [user_models]
 data: {{source: digits, val_fraction: 0.2}}
 stages:
   - name: features

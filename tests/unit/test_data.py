@@ -354,6 +354,6 @@ def test_parquet_label_far_out_of_range_is_named_before_any_per_class_allocation
     write_parquet(tmp_path / "huge-label.parquet", x, y)
     kw = {"train_size": None, "val_fraction": 0.2, "seed": 0}
     with pytest.raises(
-        DataError, match=r"data.path: label column 'label' holds the class label 1099511627776.*16777216"
+        DataError, match=r"data.path=.*huge-label.parquet.*label 1099511627776 is outside \[0, 16777215\]"
     ):
         load_parquet(tmp_path / "huge-label.parquet", test_path=pq_data[0] / "test.parquet", **kw)
