@@ -137,8 +137,14 @@ space:
 """
 
 
-def test_a_sweep_of_a_stage_streams_the_cached_features_in_every_trial(ray_session, local_data, tmp_path, capsys):
+def test_a_sweep_of_a_stage_streams_the_cached_features_in_every_trial(local_run, local_data, tmp_path, capsys):
+    """On the module run's storage with --resume: its features stage is reused (no second streamed
+    training of it) and both trials read the streamed cache the run computed."""
+    summary, _ = local_run
     root, _, _ = local_data
+    runs = Path(summary["storage"]).parent
+    features = runs / "streamed" / "stages" / "features" / "manifest.json"
+    before = features.read_bytes()
     (tmp_path / "streamed.yaml").write_text(yaml.safe_dump(CONFIG))
     (tmp_path / "space.yaml").write_text(SPACE)
     args = [
@@ -148,18 +154,19 @@ def test_a_sweep_of_a_stage_streams_the_cached_features_in_every_trial(ray_sessi
         str(tmp_path / "space.yaml"),
         f"data.path={root / 'train'}",
         f"data.test_path={root / 'test.parquet'}",
-        f"storage_path={tmp_path / 'runs'}",
-        "stages.features.train.epochs=1",
+        f"storage_path={runs}",
+        "--resume",
         "--log-level",
         "warning",
     ]
     assert cli.main(args) == 0, capsys.readouterr().err[-3000:]
-    exp = tmp_path / "runs" / "streamed" / "tune" / "classifier"
+    assert features.read_bytes() == before  # reused, not trained again
+    exp = runs / "streamed" / "tune" / "classifier"
     assert (exp / "best.yaml").is_file() and (exp / "results.parquet").is_file()
     trials = sorted(p.name for p in (exp / "trials").glob("trial-*"))
     assert len(trials) == 2
     # both trials read the same streamed cache shards (no in-memory copy of the data exists)
-    assert len(list((tmp_path / "runs" / "streamed" / "cache" / "classifier").glob("*/_cache.json"))) == 1
+    assert len(list((runs / "streamed" / "cache" / "classifier").glob("*/_cache.json"))) == 1
 
 
 def test_a_streamed_pipeline_reads_its_parquet_from_s3(s3, ray_session, local_data, tmp_path):
