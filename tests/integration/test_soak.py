@@ -1,11 +1,13 @@
-"""Soak: three debug pipelines and a 16-trial sweep in one Ray session leave nothing behind.
+"""Soak: three debug pipelines and an 8-trial sweep in one Ray session leave nothing behind.
 
 Stages are cut to a few optimizer steps (`max_steps`): what is soaked is the machinery
 (object store hand-offs, Train controllers, worker groups, placement groups, Tune trial
 actors), not the training. Three pipelines are the least that shows a steady state (the first
-sets it, the next two must not grow from it); five ran before, with the same outcome. The sweep
-keeps 16 trials: it is where the trial-actor deadlock of Ray 2.60 showed (docs/benchmarks.md,
-incident notes).
+sets it, the next two must not grow from it), and 8 trials are four rounds of the two trials
+2 CPUs run at once; five pipelines and 16 trials ran before (438 s of CI time, 368 s with three
+pipelines), with the same outcome. The trial-actor deadlock of Ray 2.60 that a 16-trial sweep
+showed (docs/benchmarks.md, incident notes) has its own tests (test_ray_compat's
+``wait_for_tune_reports_taken``), and any sweep of the suite could hang on it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ SHORT = [f"stages[{i}].train.max_steps=3" for i in range(3)] + [f"stages[{i}].tr
 SPACE = """
 stage: classifier
 metric: val_accuracy
-num_samples: 16
+num_samples: 8
 scheduler: {type: fifo}
 space:
   solver.lr: {loguniform: [1.0e-3, 3.0e-2]}
@@ -58,7 +60,7 @@ def _snapshot():
     }
 
 
-def test_three_pipelines_and_a_16_trial_sweep_leave_nothing_behind(ray_session, tmp_path):
+def test_three_pipelines_and_an_8_trial_sweep_leave_nothing_behind(ray_session, tmp_path):
     baseline = _snapshot()
     after = []
     for run in range(3):
@@ -71,7 +73,7 @@ def test_three_pipelines_and_a_16_trial_sweep_leave_nothing_behind(ray_session, 
     space.write_text(SPACE)
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", "name=soak-sweep", *SHORT])
     swept = run_pipeline(cfg, RunOptions(spaces=(("classifier", str(space)),)), log=lambda _: None)
-    assert swept["stages"][2]["sweep"]["trials"] == 16
+    assert swept["stages"][2]["sweep"]["trials"] == 8
     del swept
     final = _snapshot()
     # Ray keeps a per-session actor once the first fit made it (the autoscaling
