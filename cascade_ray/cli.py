@@ -371,7 +371,9 @@ def _run_tool(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
-    from cascade_ray.api import load_config
+    # not cascade_ray.api: a config mistake is reported before Ray (and, for a YAML-level one,
+    # torch) is imported, in a fraction of a second instead of several
+    from cascade_ray.checks import load_config
 
     try:
         if args.command in _NO_CONFIG:

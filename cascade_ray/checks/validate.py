@@ -19,13 +19,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from cascade_ray.checks.semantic import semantic_issues
 from cascade_ray.config.loader import parse_config, sorted_issues, stage_index
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.config.trust import module_refusal
 from cascade_ray.config.yaml_io import apply_overrides, read_yaml
 from cascade_ray.errors import ConfigError, ConfigIssue
-from cascade_ray.models.plan import shape_issues
 
 
 def load_config(
@@ -86,6 +84,11 @@ def validate_config(
     issues = list(issues or [])
     cfg, dropped_paths = parse_config(raw, issues)
     if cfg is not None:
+        # imported here, not at the top: they import torch, which a mistake found by the YAML
+        # reader or the overrides (read_yaml, apply_overrides) never needs
+        from cascade_ray.checks.semantic import semantic_issues
+        from cascade_ray.models.plan import shape_issues
+
         semantic = [i for i in semantic_issues(cfg) if i.path not in dropped_paths]
         issues += semantic
         if preflight:

@@ -114,3 +114,28 @@ def test_short_repr_never_builds_the_whole_repr():
     text = short_repr(huge)
     assert time.perf_counter() - start < 0.05 and len(text) <= 80
     assert short_repr(10**5000).startswith("<int of about 5000 digits")
+
+
+@pytest.mark.parametrize("name", ["125-alias-bomb", "83-duplicate-key-in-solver", "128-non-utf8-byte"])
+def test_a_yaml_level_mistake_exits_2_before_torch_or_ray_is_imported(name):
+    """`cascade-ray validate` reports what the YAML reader finds without importing torch or Ray
+    (several seconds of imports), in a fresh interpreter as a user runs it."""
+    import subprocess
+    import sys
+
+    from paths import ROOT
+
+    code = (
+        "import sys; from cascade_ray.cli import main; rc = main(['validate', sys.argv[1]]); "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules)); sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "tests" / "bad_configs" / f"{name}.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+    assert "error:" in proc.stderr
