@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -55,20 +54,10 @@ def s3(tmp_path_factory):
     """moto's S3 server on loopback with bucket ``cascade``; its endpoint and keys are set in
     this process's environment (restored afterwards), where pyarrow, boto and the Ray
     sessions started after it pick them up."""
-    from s3 import start_s3
+    from s3 import s3_in_env
 
-    server = start_s3(tmp_path_factory.mktemp("s3"))
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    try:
+    with s3_in_env(tmp_path_factory.mktemp("s3")) as server:
         yield server
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
 
 
 @pytest.fixture(scope="session")

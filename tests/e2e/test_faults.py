@@ -141,20 +141,10 @@ def _same_result(summary, reference) -> None:
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
     """This module's own moto server (it is restarted here, so not the session's), env set before Ray."""
-    from s3 import start_s3
+    from s3 import s3_in_env
 
-    server = start_s3(tmp_path_factory.mktemp("moto"))
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    try:
+    with s3_in_env(tmp_path_factory.mktemp("moto")) as server:
         yield server
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
 
 
 @pytest.fixture(scope="module")

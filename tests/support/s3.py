@@ -8,6 +8,7 @@ is ``s3://<bucket>/a/b``. Nothing leaves 127.0.0.1: the EC2 metadata lookup is d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +111,21 @@ def start_s3(log_dir: Path, bucket: str = "cascade", port: int | None = None) ->
             time.sleep(0.2)
     server.filesystem().create_dir(bucket)
     return server
+
+
+@contextlib.contextmanager
+def s3_in_env(log_dir: Path) -> Iterator[S3Server]:
+    """A started server whose endpoint and keys are in this process's environment while the block
+    runs (restored afterwards), where pyarrow, boto and Ray sessions started inside pick them up."""
+    server = start_s3(log_dir)
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
