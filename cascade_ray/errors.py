@@ -42,16 +42,19 @@ class ConfigError(CascadeError):
 
     exit_code = 2
 
-    def __init__(self, issues: list[ConfigIssue] | tuple[ConfigIssue, ...], source: str = ""):
+    def __init__(self, issues: list[ConfigIssue] | tuple[ConfigIssue, ...], source: str = "", note: str = ""):
         self.issues = tuple(issues)
         self.source = source
+        self.note = note  # what was not checked because of these issues
         where = f" in {source}" if source else ""
         lines = [f"{len(self.issues)} problem(s){where}:"]
         lines += [f"  - {issue.render()}" for issue in self.issues]
+        if note:
+            lines.append(f"  ({note})")
         super().__init__("\n".join(lines))
 
     def __reduce__(self):
-        return (self.__class__, (self.issues, self.source))
+        return (self.__class__, (self.issues, self.source, self.note))
 
 
 class DataError(CascadeError):

@@ -1,16 +1,19 @@
 """Full validation: YAML -> overrides -> schema -> cross-field rules -> shape preflight.
 
-Validation runs in three passes and collects all issues before raising once:
+Validation runs in three passes and collects the issues before raising once:
 
 1. the schema (unknown keys, wrong types, ranges), translated into key paths with a
    did-you-mean (:func:`cascade_ray.config.loader.parse_config`);
 2. the offending keys are dropped (defaults take their place) so that the rest of
    the file can still be checked: cross-field rules (:mod:`.semantic`);
-3. the meta-device shape preflight of the whole chain (:mod:`cascade_ray.models.plan`).
+3. the meta-device shape preflight of the whole chain (:mod:`cascade_ray.models.plan`),
+   only when pass 1 found nothing: running modules on the meta device imports torch's
+   compiler stack (~1.5 s), and a file with key mistakes is answered without it.
 
-So a file with a typo'd optimizer, a string ``betas``, an unknown key *and* a shape
-mismatch yields one error with four entries. This sits above models and solver because
-passes 2 and 3 build modules and optimizers; the schema pass itself is in ``config/``.
+So a file with a typo'd optimizer, a string ``betas`` and an unknown key yields one error
+with three entries and a note that the shapes come next; a typo'd optimizer and a shape
+mismatch yield one error with two. This sits above models and solver because passes 2 and 3
+build modules and optimizers; the schema pass itself is in ``config/``.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def validate_config(
         ConfigError: listing every problem found.
     """
     issues = list(issues or [])
+    note = ""
     cfg, dropped_paths = parse_config(raw, issues)
     if cfg is not None:
         # imported here, not at the top: they import torch, which a mistake found by the YAML
@@ -90,18 +94,25 @@ def validate_config(
         from cascade_ray.models.plan import shape_issues
 
         semantic = [i for i in semantic_issues(cfg) if i.path not in dropped_paths]
+        schema_failed = bool(issues)
         issues += semantic
-        if preflight:
+        # The shape preflight runs the chain on the meta device, which costs torch's compiler
+        # stack (~1.5 s) on top of torch: a file the schema pass already refused is answered
+        # without it, and the message says the shapes are checked once those keys are fixed.
+        if preflight and schema_failed:
+            note = "the shapes of the chain are checked once the keys above are fixed"
+        elif preflight:
             # A stage whose model is already reported cannot be built, and a stage whose model was
             # dropped is skipped by the preflight, so every shape from there on is a consequence.
             bad = [stage_index(path, model_only=True) for path in {i.path for i in semantic} | dropped_paths]
             first_bad = min((b for b in bad if b is not None), default=len(cfg.stages))
             reported = {issue.path for issue in semantic}
-            issues += [
-                i for i in shape_issues(cfg) if (stage_index(i.path) or 0) < first_bad and i.path not in reported
-            ]
+            if first_bad > 0:  # with the first stage's model refused, no shape can be checked
+                issues += [
+                    i for i in shape_issues(cfg) if (stage_index(i.path) or 0) < first_bad and i.path not in reported
+                ]
     if issues:
-        raise ConfigError(sorted_issues(issues), source)
+        raise ConfigError(sorted_issues(issues), source, note=note)
     if cfg is None:  # a failed parse always records an issue; this is a bug if reached
         raise RuntimeError("config parse failed without reporting an issue")
     return cfg
