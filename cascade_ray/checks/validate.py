@@ -7,12 +7,11 @@ Validation runs in three passes and collects the issues before raising once:
 2. the offending keys are dropped (defaults take their place) so that the rest of
    the file can still be checked: cross-field rules (:mod:`.semantic`);
 3. the meta-device shape preflight of the whole chain (:mod:`cascade_ray.models.plan`),
-   only when pass 1 found nothing: running modules on the meta device imports torch's
-   compiler stack (~1.5 s), and a file with key mistakes is answered without it.
+   only when passes 1 and 2 found nothing: running modules on the meta device imports
+   torch's compiler stack (~1.5 s), and a file already refused is answered without it.
 
 So a file with a typo'd optimizer, a string ``betas`` and an unknown key yields one error
-with three entries and a note that the shapes come next; a typo'd optimizer and a shape
-mismatch yield one error with two. This sits above models and solver because passes 2 and 3
+with three entries and a note that the shapes come next. This sits above models and solver because passes 2 and 3
 build modules and optimizers; the schema pass itself is in ``config/``.
 """
 
@@ -22,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from cascade_ray.config.loader import parse_config, sorted_issues, stage_index
+from cascade_ray.config.loader import parse_config, sorted_issues
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.config.trust import module_refusal
 from cascade_ray.config.yaml_io import apply_overrides, read_yaml
@@ -93,24 +92,15 @@ def validate_config(
         from cascade_ray.checks.semantic import semantic_issues
         from cascade_ray.models.plan import shape_issues
 
-        semantic = [i for i in semantic_issues(cfg) if i.path not in dropped_paths]
-        schema_failed = bool(issues)
-        issues += semantic
+        issues += [i for i in semantic_issues(cfg) if i.path not in dropped_paths]
         # The shape preflight runs the chain on the meta device, which costs torch's compiler
-        # stack (~1.5 s) on top of torch: a file the schema pass already refused is answered
-        # without it, and the message says the shapes are checked once those keys are fixed.
-        if preflight and schema_failed:
-            note = "the shapes of the chain are checked once the keys above are fixed"
+        # stack (~1.5 s) on top of torch's import: a file already refused is answered without
+        # it (a key mistake in well under the time a good file takes), and the message says
+        # the shapes are checked once the problems listed are fixed.
+        if preflight and issues:
+            note = "the shapes of the chain are checked once the problems above are fixed"
         elif preflight:
-            # A stage whose model is already reported cannot be built, and a stage whose model was
-            # dropped is skipped by the preflight, so every shape from there on is a consequence.
-            bad = [stage_index(path, model_only=True) for path in {i.path for i in semantic} | dropped_paths]
-            first_bad = min((b for b in bad if b is not None), default=len(cfg.stages))
-            reported = {issue.path for issue in semantic}
-            if first_bad > 0:  # with the first stage's model refused, no shape can be checked
-                issues += [
-                    i for i in shape_issues(cfg) if (stage_index(i.path) or 0) < first_bad and i.path not in reported
-                ]
+            issues += shape_issues(cfg)
     if issues:
         raise ConfigError(sorted_issues(issues), source, note=note)
     if cfg is None:  # a failed parse always records an issue; this is a bug if reached

@@ -56,11 +56,6 @@ def sorted_issues(issues: list[ConfigIssue]) -> list[ConfigIssue]:
     return sorted(_dedupe(issues), key=_path_key)
 
 
-def stage_index(path: str, *, model_only: bool = False) -> int | None:
-    """The stage index a key path points into (``stages[3].model`` -> 3), or ``None``."""
-    return _stage_index(path, model_only=model_only)
-
-
 def _dedupe(issues: list[ConfigIssue]) -> list[ConfigIssue]:
     seen: dict[tuple[str, str], ConfigIssue] = {}
     for issue in issues:
@@ -71,15 +66,6 @@ def _dedupe(issues: list[ConfigIssue]) -> list[ConfigIssue]:
 def _path_key(issue: ConfigIssue) -> list[tuple[int, int | str]]:
     """Sort key: stages[2] before stages[10], top-level keys first."""
     return [(0, int(tok)) if tok.isdigit() else (1, tok) for tok in re.split(r"[.\[\]]+", issue.path) if tok]
-
-
-_STAGE_PATH = re.compile(r"^stages\[(\d+)\](\.model\b)?")
-
-
-def _stage_index(path: str, *, model_only: bool = False) -> int | None:
-    """``stages[2].model.type`` -> 2; None for other paths (or, with `model_only`, non-model keys)."""
-    m = _STAGE_PATH.match(path)
-    return None if m is None or (model_only and m.group(2) is None) else int(m.group(1))
 
 
 def _drop(raw: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | None:

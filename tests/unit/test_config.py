@@ -30,7 +30,7 @@ def test_exponent_without_dot_is_a_float():
     assert parse_yaml("lr: 3E-4\nn: 5") == {"lr": 0.0003, "n": 5}
 
 
-def test_every_key_problem_in_one_error_and_shapes_once_the_keys_are_right(debug_raw):
+def test_every_key_problem_in_one_error_and_the_shapes_once_the_rest_is_right(debug_raw):
     raw = copy.deepcopy(debug_raw)
     raw["stages"][0]["solver"]["type"] = "Adamw"
     raw["stages"][0]["solver"]["betas"] = "0.9, 0.999"
@@ -46,12 +46,16 @@ def test_every_key_problem_in_one_error_and_shapes_once_the_keys_are_right(debug
     assert "got str '0.9, 0.999'" in found["stages[0].solver.betas"]
     assert "betas: [0.9, 0.999]" in found["stages[0].solver.betas"]
     assert "did you mean 'train'?" in found["stages[1].trian"]
-    assert "shapes of the chain are checked once the keys above are fixed" in str(info.value)
+    assert "shapes of the chain are checked once the problems above are fixed" in str(info.value)
 
     raw["stages"][0]["solver"]["betas"] = [0.9, 0.999]
     del raw["stages"][1]["trian"]
-    found = issues_of(raw)  # a cross-field mistake and a shape mismatch: both in one error
-    assert set(found) == {"stages[0].solver.type", "stages[1].model.in_channels"}
+    with pytest.raises(ConfigError) as info:  # the cross-field mistake alone: the shapes still wait
+        validate_config(raw)
+    assert [i.path for i in info.value.issues] == ["stages[0].solver.type"] and info.value.note
+    raw["stages"][0]["solver"]["type"] = "AdamW"
+    found = issues_of(raw)  # every other key right: the shape preflight speaks
+    assert set(found) == {"stages[1].model.in_channels"}
     mismatch = found["stages[1].model.in_channels"]
     assert "'encoder'" in mismatch and "'features'" in mismatch and "(B, 16, 4, 4)" in mismatch
     assert "in_channels: 16" in mismatch and "adapter" in mismatch

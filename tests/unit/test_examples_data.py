@@ -140,11 +140,19 @@ def test_a_constant_feature_normalizes_to_zero(tmp_path):
             {"stages[1].train.metric"},
             ["'val_accuracy' is not reported", "val_loss, val_mae, val_rmse, val_r2"],
         ),
+        # one mistake each: the loss against the targets is checked by the shape preflight, which
+        # runs once the cross-field rules (the metric) pass
         (
             "multilabel",
-            ["stages[1].loss.type=mse", "stages[0].train.metric=val_r2"],
-            {"stages[1].loss.type", "stages[0].train.metric"},
-            ["'mse' is a loss for regression targets", "use loss.type: bce", "val_loss, val_micro_f1, val_map"],
+            ["stages[1].loss.type=mse"],
+            {"stages[1].loss.type"},
+            ["'mse' is a loss for regression targets", "use loss.type: bce"],
+        ),
+        (
+            "multilabel",
+            ["stages[0].train.metric=val_r2"],
+            {"stages[0].train.metric"},
+            ["val_loss, val_micro_f1, val_map"],
         ),
         (
             "tabular",
