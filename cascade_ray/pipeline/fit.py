@@ -8,6 +8,7 @@ import math
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -337,6 +338,7 @@ def fit_stage(
             "upstream_ref": [upstream_ref] if upstream_ref is not None else [],
             "features_ref": [features_ref] if features_ref is not None else [],
             "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
+            "fit_started": time.time(),  # the start-up phases count from here (cascade_ray/stage/startup.py)
             **observer_config(cfg, index, ray_dir.parent, options, board),  # progress, log level, --profile trace
         },
         **_stream_args(stream),

@@ -156,6 +156,13 @@ class StageRecord(StageResult):
         description="Epochs done at the checkpoint this stage's training last continued from (``--resume`` of an "
         "interrupted stage, or a worker-group restart after a failure); None when it ran through from epoch 0.",
     )
+    startup: dict[str, float] | None = Field(
+        None,
+        description="Seconds of the stage fit before its first optimizer step, by phase (rank 0): ``ray_train_s`` "
+        "(``fit()`` to the worker process), ``worker_start_s`` (to the loop function), ``inputs_s`` (data, upstream "
+        "and cached features fetched), ``setup_s`` (model and solver built), ``first_step_s``, and "
+        "``to_first_step_s`` (their sum); see ``cascade_ray/stage/startup.py``. None when not trained here.",
+    )
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, **fields: Any) -> StageRecord:

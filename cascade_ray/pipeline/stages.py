@@ -253,6 +253,7 @@ class StageSession:
             started,
             feature_cache=cache.record() if cache is not None else None,
             resumed_from_epoch=outcome.get("resumed_from_epoch"),
+            startup=outcome.get("startup"),
         )
 
     def _persist(

@@ -30,6 +30,7 @@ from cascade_ray.stage.hooks import LoopHooks, chain_hooks
 from cascade_ray.stage.loop import run_stage
 from cascade_ray.stage.observe import observer_hooks
 from cascade_ray.stage.resume import TRAINER_STATE
+from cascade_ray.stage.startup import StartupClock
 
 CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_STATE = "train_state.json"
@@ -127,6 +128,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    clock = StartupClock(loop_config.get("fit_started"))  # where the seconds before the first step go
     device = ray.train.torch.get_device()
     sources = None
     if loop_config.get("stream"):  # rows streamed through Ray Data: this worker's shards
@@ -140,11 +142,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     features = (
         ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None
     )  # cached upstream outputs
+    clock.mark("inputs")
     reporter = RayReporter(device)
     wrap = _ddp_wrapper(cfg.stages[index], device) if reporter.world > 1 else None
     hooks = LoopHooks(
         after_optimizer_step=FaultInjection(loop_config.get("fault_once", ""), cfg.stages[index].name, reporter.rank)
     )
+    marks = LoopHooks(on_setup=clock.on_setup, after_optimizer_step=clock.after_optimizer_step)
     observe, finish_observing = observer_hooks(
         loop_config, cfg, index, reporter.rank, reporter.world, device
     )  # progress board, --profile
@@ -157,7 +161,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             reporter,
             device,
             wrap=wrap,
-            hooks=chain_hooks(hooks, observe),
+            hooks=chain_hooks(marks, hooks, observe),
             resume=read_resume_state(),
             features=features,
             sources=sources,
@@ -165,7 +169,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         )
     finally:
         finish_observing()
-    return dataclasses.asdict(outcome) if reporter.rank == 0 else None
+    return dataclasses.asdict(outcome) | {"startup": clock.record()} if reporter.rank == 0 else None
 
 
 def _ddp_wrapper(stage: StageConfig, device: torch.device):

@@ -33,6 +33,7 @@ from cascade_ray.tune.state import StateDigestCallback, verify_state
 
 TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
 INPUTS_FILE = "inputs.json"
+STARTUP_FILE = "startup.json"  # the trial fit's start-up phases (cascade_ray/stage/startup.py)
 
 
 def param_space(space: TuneSpace) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def _run_trial(
     data_ref, upstream_ref, features_ref = refs.get("data"), refs.get("upstream"), refs.get("features")
     # Train run named after the trial: unique per trial, stable across a Tune restore
     run = as_storage(ray_dir) / f"trial-{trial_id}"
-    fit_stage(
+    result = fit_stage(
         cfg,
         index,
         data_ref=data_ref,
@@ -116,6 +117,7 @@ def _run_trial(
     _drain_tune_reports()
     # which object-store copies this trial read: the same ids for every trial, by design
     (run / INPUTS_FILE).write_text(json.dumps({name: ref.hex() for name, ref in refs.items()}))
+    (run / STARTUP_FILE).write_text(json.dumps((result.return_value or {}).get("startup")))
 
 
 def _drain_tune_reports(timeout_s: float = 60.0) -> None:
