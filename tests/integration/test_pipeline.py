@@ -16,6 +16,7 @@ from cascade_ray.checks import load_config
 from cascade_ray.errors import FrozenDriftError, ResourceError
 from cascade_ray.pipeline.artifacts import MANIFEST, read_artifact
 from cascade_ray.pipeline.records import read_manifest, read_summary
+from cascade_ray.stage.startup import PHASES
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,11 @@ def test_summary_lists_every_stage(debug_run, ray_session):
         assert stage["num_workers"] == stage_cfg.scaling.num_workers
         assert len(stage["history"]) == stage_cfg.train.epochs
         assert {"name", "metrics", "wall_s", "trainable_params", "frozen_params", "artifact", "digest"} <= set(stage)
+    for stage in summary["stages"]:  # where each fit's seconds went before its first step
+        startup = stage["startup"]
+        assert set(startup) == {*PHASES, "to_first_step_s"}, startup
+        assert all(v >= 0 for v in startup.values()) and 0 < startup["to_first_step_s"] < stage["wall_s"]
+        assert sum(startup[p] for p in PHASES) == pytest.approx(startup["to_first_step_s"], abs=0.01)
     assert summary["stages"][1]["num_workers"] == 2  # DDP over gloo
     node = ray_session.get_runtime_context().get_node_id()
     assert [s["nodes"] for s in summary["stages"]] == [[node], [node, node], [node]]  # one per rank, one node here

@@ -19,7 +19,7 @@ from cascade_ray.errors import ArtifactError, ConfigError
 from cascade_ray.storage import as_storage
 from cascade_ray.tune.space import load_space
 from cascade_ray.tune.state import STATE_SIDECAR, verify_state
-from cascade_ray.tune.sweep import INPUTS_FILE
+from cascade_ray.tune.sweep import INPUTS_FILE, STARTUP_FILE
 
 SPACE = """
 stage: encoder
@@ -81,6 +81,11 @@ def test_every_trial_read_the_same_upstream_object(sweep):
     # the encoder trains on cached upstream features: computed once, one object for every trial
     assert len({i["features"] for i in inputs}) == 1 and inputs[0]["features"]
     assert summary["stages"][1]["feature_cache"]["status"] in ("computed", "read")
+    startups = [
+        json.loads(p.read_text())
+        for p in (Path(summary["storage"]) / "tune" / "encoder" / "trials").glob(f"*/{STARTUP_FILE}")
+    ]
+    assert len(startups) == 4 and all(s["to_first_step_s"] > 0 for s in startups), startups
 
 
 def test_best_override_reproduces_the_best_trial(sweep):
