@@ -89,3 +89,92 @@ def test_the_report_is_the_best_replicas_best_epoch(inputs, lone_runs, digits):
     (state,) = reporter.states
     for key, value in lone.states[epoch].items():
         np.testing.assert_allclose(state[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+# -- what cannot be batched is refused before Ray starts, naming the key and the plain sweep --
+
+FIFO = "scheduler: {type: fifo}\n"
+
+
+def _space(tmp_path, body, stage="classifier"):
+    path = tmp_path / "space.yaml"
+    path.write_text(f"stage: {stage}\nmetric: val_accuracy\nmode: max\nnum_samples: 2\n{body}")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("body", "stage", "overrides", "key", "reason"),
+    [
+        (FIFO + "space: {model.hidden: {grid: [[16], [32]]}}", "classifier", [], "space.model.hidden", "architecture"),
+        (FIFO + "space: {train.batch_size: {choice: [16, 32]}}", "classifier", [], "space.train.batch_size", "batch"),
+        (FIFO + "space: {train.epochs: {choice: [1, 2]}}", "classifier", [], "space.train.epochs", "epoch loop"),
+        (
+            FIFO + "space: {solver.accumulation_steps: {choice: [1, 2]}}",
+            "classifier",
+            [],
+            "space.solver.accumulation_steps",
+            "accumulation windows",
+        ),
+        ("space: {solver.lr: {loguniform: [1e-3, 1e-2]}}", "classifier", [], "scheduler.type", "asha"),
+        (FIFO + "space: {solver.lr: {loguniform: [1e-3, 1e-2]}}", "features", [], "stage", "first stage"),
+        (
+            FIFO + "space: {solver.lr: {loguniform: [1e-3, 1e-2]}}",
+            "classifier",
+            ["stages.classifier.freeze.cache_features=off"],
+            "stage",
+            "cache_features is off",
+        ),
+    ],
+)
+def test_an_unbatchable_sweep_exits_2_before_ray_naming_the_key(
+    tmp_path, monkeypatch, capsys, body, stage, overrides, key, reason
+):
+    import ray
+
+    from cascade_ray.cli import main as cli_main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started for a refused batched sweep"))
+    space = _space(tmp_path, body, stage)
+    assert cli_main(["tune", str(CONFIGS / "debug.yaml"), "--space", str(space), "--batched", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert f"- {key}:" in err and reason in err, err
+    assert f"cascade-ray tune CONFIG --space {space} (without --batched)" in err, err
+
+
+def test_batched_in_the_space_file_is_checked_as_the_flag(tmp_path, inputs):
+    from cascade_ray.api import RunOptions, stage_runners
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tune.batched import BatchedSweepRunner
+
+    cfg = inputs[0]
+    good = _space(
+        tmp_path,
+        FIFO + "batched: true\nspace: {solver.lr: {loguniform: [1e-3, 1e-2]}, loss.scale: {choice: [0.5, 1.0]}}",
+    )
+    (runner,) = stage_runners(cfg, RunOptions(spaces=(("classifier", str(good)),))).values()
+    assert isinstance(runner, BatchedSweepRunner)
+    bad = _space(tmp_path, "batched: true\nspace: {model.dropout: {choice: [0.0, 0.1]}}")
+    with pytest.raises(ConfigError, match="set batched: false in the space file") as caught:
+        stage_runners(cfg, RunOptions(spaces=(("classifier", str(bad)),)))
+    assert {i.path for i in caught.value.issues} == {"space.model.dropout", "scheduler.type"}
+
+
+def test_the_configs_are_the_plain_sweeps_trials(inputs):
+    """Sampled by the plain sweep's BasicVariantGenerator: the current values first (random
+    search), the pipeline seed fixing the rest; a grid is every value times num_samples."""
+    from cascade_ray.tune.batched import sample_values
+    from cascade_ray.tune.space import TuneSpace
+
+    cfg = inputs[0]
+    random = TuneSpace.model_validate(
+        {"stage": "classifier", "num_samples": 4, "space": {"solver.lr": {"loguniform": [1e-4, 1e-2]}}}
+    )
+    values = sample_values(cfg, random)
+    assert len(values) == 4 and values[0] == {"solver.lr": cfg.stages[2].solver.lr}
+    assert values == sample_values(cfg, random)  # the same seed samples the same trials
+    reseeded = sample_values(cfg.model_copy(update={"seed": 1}), random)
+    assert reseeded[0] == values[0] and reseeded[1:] != values[1:]
+    grid = TuneSpace.model_validate(
+        {"stage": "classifier", "num_samples": 2, "search": "grid", "space": {"loss.scale": {"grid": [0.5, 1.0]}}}
+    )
+    assert [v["loss.scale"] for v in sample_values(cfg, grid)] == [0.5, 1.0, 0.5, 1.0]
