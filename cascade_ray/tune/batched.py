@@ -15,6 +15,7 @@ stops, a stage without cached features) is refused before Ray starts.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -107,11 +108,14 @@ def sample_values(cfg: PipelineConfig, space: TuneSpace) -> list[dict[str, Any]]
     """The trials' sampled values, in trial order, from the plain sweep's own search algorithm."""
     current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
     generator, _ = search_algorithm(space, current, 0, "", seed=cfg.seed)  # 0: no concurrency limit
-    spec = {"run": _not_run, "config": param_space(space), "num_samples": space.num_samples}
-    generator.add_configurations({"batched": spec})
     values = []
-    while (trial := generator.next_trial()) is not None:
-        values.append({key: trial.config[key] for key in space.space})
+    # Tune's trials need an experiment storage (it writes a marker file there): a throwaway one,
+    # not Tune's default ~/ray_results
+    with tempfile.TemporaryDirectory(prefix="cascade-batched-") as tmp:
+        spec = {"run": _not_run, "config": param_space(space), "num_samples": space.num_samples, "storage_path": tmp}
+        generator.add_configurations({"batched": spec})
+        while (trial := generator.next_trial()) is not None:
+            values.append({key: trial.config[key] for key in space.space})
     return values
 
 
