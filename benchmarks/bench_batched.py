@@ -13,7 +13,8 @@ its feature-cache read to the adopted artifact), the whole call in parentheses:
 2. **Tune trials**: the same space as a plain sweep: one TorchTrainer per trial, 2 at once on 2 CPUs.
 3. **one trial**: the plain sweep with ``num_samples: 1`` (the stage's current values only).
 
-Order: batched, one trial, Tune trials, then batched and one trial again per extra repeat
+Last line: whether both ways sampled the same configs, and how far apart each config's
+``val_accuracy`` is between its replica and its trial. Order: batched, one trial, Tune trials, then batched and one trial again per extra repeat
 (the Tune trials run once: they take minutes); medians are reported.
 """
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     os.environ.pop("RAY_ADDRESS", None)
+    import pyarrow.parquet as pq
     import ray
     import yaml
 
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()}, log_to_driver=False, include_dashboard=False
     )
     times: dict[str, list[tuple[float, float]]] = {"batched": [], "tune": [], "one": []}
+    tables: dict[str, dict[tuple, float]] = {}  # config values -> val_accuracy, per way
 
     def sweep(kind: str) -> None:
         shutil.rmtree(root / cfg.name / "tune", ignore_errors=True)  # a plain sweep with resume would restore it
@@ -77,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         assert record["status"] == "tuned" and record["sweep"]["trials"] == (1 if kind == "one" else args.configs)
         assert [s["status"] for s in summary["stages"][:2]] == ["reused", "reused"]
         times[kind].append((record["wall_s"], call))
+        rows = pq.read_table(record["sweep"]["results"]).to_pylist()
+        tables[kind] = {
+            tuple(v for k, v in sorted(r.items()) if k.startswith("config/")): r["val_accuracy"] for r in rows
+        }
         print(
             f"  {kind}: sweep {record['wall_s']:.1f} s (call {call:.1f} s), best val_accuracy "
             f"{record['metrics']['val_accuracy']:.4f}",
@@ -106,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"one Tune trial: {med['one']:.1f} s (call {call['one']:.1f} s)")
     print(f"{n} configs batched vs one Tune trial: {med['batched'] / med['one']:.2f}x the wall time")
+    same = tables["batched"].keys() == tables["tune"].keys()
+    gap = max((abs(tables["batched"][k] - tables["tune"][k]) for k in tables["tune"]), default=0.0) if same else None
+    print(
+        f"same {len(tables['tune'])} configs sampled both ways: {same}; largest val_accuracy difference per config: "
+        + (f"{gap:.4g}" if gap is not None else "n/a")
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ same numbers as in a lone run seeded by :func:`~cascade_ray.stage.setup.stage_se
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -256,6 +257,10 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
         cfgs.append(validate_config(raw, source=f"batched replica {k}", preflight=False))
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
     torch.set_num_threads(max(1, int(cpus)))  # Ray pins OMP threads to the assigned CPUs
+    if cfgs[0].deterministic:  # as a lone stage's worker (stage/worker.py)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     device = ray.train.torch.get_device()
     (data_ref,) = loop_config["data_ref"]
     data = DataSplits.from_arrays(ray.get(data_ref))
