@@ -26,6 +26,7 @@ from cascade_ray.pipeline import driver
 from cascade_ray.pipeline.stages import StageRunner
 from cascade_ray.tools.inference import Cascade, InputError, load_cascade
 from cascade_ray.tools.predict import PredictReport, predict_file
+from cascade_ray.tune.batched import BatchedSweepRunner, check_batchable
 from cascade_ray.tune.run import SweepRunner
 from cascade_ray.tune.space import load_space
 
@@ -96,6 +97,10 @@ def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRu
             raise ConfigError(
                 [ConfigIssue("stage", f"the space sweeps stage {space.stage!r}, asked for stage {stage!r}")], str(path)
             )
+        if options.batched or space.batched:  # K configs in one TorchTrainer job, if the space allows it
+            check_batchable(cfg, space, str(path))
+            runners[stage] = BatchedSweepRunner(space, str(path))
+            continue
         runners[stage] = SweepRunner(space, str(path), resume=options.resume, trust_state=options.trust_tune_state)
     return runners
 

@@ -215,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space", required=True, help="search space file, e.g. tune_spaces/encoder.yaml")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
+    p.add_argument(
+        "--batched",
+        action="store_true",
+        help="train every sampled config at once in one TorchTrainer job (a stage on cached features; "
+        "solver/loss values only; refused otherwise, before Ray starts)",
+    )
     _add_break_lock(p)
     _add_trust_tune_state(p)
     _add_log_level(p)
@@ -436,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop_after=stage,
                 break_lock=args.break_lock,
                 trust_tune_state=args.trust_tune_state,
+                batched=args.batched,
             )
         else:
             options = run_options(args, cfg)

@@ -39,6 +39,8 @@ class RunOptions:
     the run writes is rewritten (``--overwrite``)."""
     trust_tune_state: bool = False
     """Restore sweeps without checking their Tune state's sha256 sidecar (``--trust-tune-state``)."""
+    batched: bool = False
+    """Run every sweep in ``spaces`` batched: one TorchTrainer job for all its configs (``--batched``)."""
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:

@@ -309,6 +309,8 @@ def fit_stage(
     options: RunOptions | None = None,
     board: Any = None,
     stream: Any = None,
+    train_loop: Callable[[dict[str, Any]], Any] = train_loop_per_worker,
+    loop_extra: Mapping[str, Any] | None = None,
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job (:class:`StageTrainer`) and return its Result.
 
@@ -318,6 +320,8 @@ def fit_stage(
     (``None``: workers print their own progress); ``stream`` the
     :class:`~cascade_ray.pipeline.streaming.StreamedData` when the rows are streamed: the fit then
     gets fresh Ray Datasets of the train and val parts, and its workers their shards.
+    ``train_loop`` is what the workers run (a batched sweep's loop), ``loop_extra`` its own
+    loop-config keys.
 
     Raises:
         CascadeError: a worker raised one (re-raised as is, with its message).
@@ -328,8 +332,9 @@ def fit_stage(
     pipeline = cfg.model_dump(mode="json")
     pipeline["stages"][index]["scaling"]["use_gpu"] = use_gpu  # workers see the decision, not `auto`
     trainer = StageTrainer(
-        train_loop_per_worker,
+        train_loop,
         train_loop_config={
+            **(loop_extra or {}),
             "pipeline": pipeline,
             "stage_index": index,
             # refs inside lists: the worker ray.get()s them itself

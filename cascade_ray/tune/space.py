@@ -78,6 +78,12 @@ class TuneSpace(_Strict):
         "returns a config worse than the one it started from (counts toward num_samples; ASHA never stops "
         "this trial early).",
     )
+    batched: bool = Field(
+        False,
+        description="Train every sampled config at once in one TorchTrainer job (`cascade-ray tune --batched`): "
+        "for a stage on cached features whose space varies only solver.* and loss.* values, with scheduler "
+        "fifo and search random or grid; anything else is refused before Ray starts.",
+    )
 
 
 def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:

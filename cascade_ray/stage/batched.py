@@ -1,0 +1,275 @@
+"""The worker side of a batched sweep: K configs of one stage trained at once on its cached features.
+
+Each replica is a full :func:`~cascade_ray.stage.setup.setup_stage` of its own config (model,
+param groups, optimizer, lr plan, precision, loss), so a replica trains exactly as that config
+would alone. The replicas are stepped one after the other on every shared batch (one read, K
+steps) rather than stacked with ``torch.func.vmap``: a stacked model needs one optimizer over
+``[K, ...]`` tensors, which torch's optimizers cannot give per-replica lr / weight decay / betas /
+schedules / clipping; on cached features a replica's step is a small MLP or Transformer, so the
+loop's cost is K small steps, and what the sweep saves is K-1 TorchTrainer start-ups.
+
+Each replica keeps its own torch RNG state (swapped in around its work), so dropout draws the
+same numbers as in a lone run seeded by :func:`~cascade_ray.stage.setup.stage_seed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from cascade_ray.config.metrics import checkpoint_metric, metric_mode
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.data import DataSplits
+from cascade_ray.data.batches import ArraySource, accumulation_windows
+from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.models.metrics import EvalMetrics
+from cascade_ray.solver import EarlyStopping, clip_gradients
+from cascade_ray.stage.loop import Reporter
+from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
+
+
+@dataclass
+class Replica:
+    """One config's training state inside a batched sweep."""
+
+    cfg: PipelineConfig
+    setup: StageSetup
+    net: nn.Module  # what forward runs on: the model, or its DDP wrapper
+    rng: torch.Tensor  # this replica's CPU generator state between its turns
+    cuda_rng: torch.Tensor | None  # and its CUDA generator's, on a GPU worker
+    stopper: EarlyStopping
+    history: list[dict[str, float]] = field(default_factory=list)
+    step: int = 0
+    done: bool = False
+    best_score: float | None = None  # by the stage's checkpoint metric (train.metric)
+    best_epoch: int = 0
+    best_own: dict[str, torch.Tensor] | None = None  # the stage's own tensors at best_score
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """This replica's RNG stream in, then out again (the process's own stream is left as found)."""
+        outer, cuda_outer = torch.get_rng_state(), _cuda_rng(self.setup.device)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.setup.device)
+        try:
+            yield
+        finally:
+            self.rng, self.cuda_rng = torch.get_rng_state(), _cuda_rng(self.setup.device)
+            torch.set_rng_state(outer)
+            if cuda_outer is not None:
+                torch.cuda.set_rng_state(cuda_outer, self.setup.device)
+
+
+@dataclass(frozen=True)
+class BatchedOutcome:
+    """What rank 0 returns: every replica's epoch history, and which one won."""
+
+    histories: list[list[dict[str, float]]]
+    best: int
+    best_epoch: int
+    world_size: int
+
+
+def run_batched(
+    cfgs: list[PipelineConfig],
+    index: int,
+    data: DataSplits,
+    upstream: Mapping[str, np.ndarray] | None,
+    features: Mapping[str, np.ndarray] | None,
+    reporter: Reporter,
+    device: torch.device,
+    *,
+    metric: str,
+    mode: str,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+) -> BatchedOutcome:
+    """Train stage `index` of every config in `cfgs` at once (:func:`train_replicas`), then report
+    the best replica.
+
+    The one report (rank 0 checkpoints) carries the best replica's weights at its best epoch by
+    ``train.metric``; the best replica is the one whose best epoch by `metric` (`mode`: max/min)
+    is best, as Tune's ``get_best_result(scope="all")`` picks a trial.
+    """
+    replicas = train_replicas(
+        cfgs, index, data, upstream, features, reporter, device, metric=metric, mode=mode, wrap=wrap
+    )
+    sign = 1 if mode == "max" else -1
+    best = max(range(len(replicas)), key=lambda k: (max(sign * h[metric] for h in replicas[k].history), -k))
+    winner = replicas[best]
+    state = winner.setup.model.state_dict() | (winner.best_own or {})
+    metrics = dict(winner.history[winner.best_epoch - 1]) | {"replica": best}
+    reporter.report(metrics, state if reporter.rank == 0 else None)
+    return BatchedOutcome([r.history for r in replicas], best, winner.best_epoch, reporter.world)
+
+
+def train_replicas(
+    cfgs: list[PipelineConfig],
+    index: int,
+    data: DataSplits,
+    upstream: Mapping[str, np.ndarray] | None,
+    features: Mapping[str, np.ndarray] | None,
+    reporter: Reporter,
+    device: torch.device,
+    *,
+    metric: str,
+    mode: str,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+) -> list[Replica]:
+    """Every config's replica of stage `index`, trained for the stage's epochs on shared batches.
+
+    The configs differ only in per-replica values (solver, loss); the batches, epochs and
+    accumulation windows are the first config's. `metric` / `mode` pick the replica the
+    per-epoch progress line names.
+
+    Raises:
+        ConfigError: `features` is missing (the stage must train on cached upstream outputs).
+    """
+    if features is None:
+        raise ConfigError(
+            [ConfigIssue(f"stages[{index}].freeze.cache_features", "a batched sweep trains on cached features only")]
+        )
+    base = cfgs[0].stages[index]
+    replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap) for cfg in cfgs]
+    train_src = ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device)
+    val_src = ArraySource(features["x_val"], data.y_val, 0.0, 1.0, device)
+    ckpt_metric = checkpoint_metric(cfgs[0], base)
+    better = (lambda a, b: a > b) if metric_mode(ckpt_metric) == "max" else (lambda a, b: a < b)
+    for epoch in range(base.train.epochs):
+        live = [r for r in replicas if not r.done]
+        if not live:
+            break
+        seen, sums, train_s = _train_epoch(live, train_src, reporter, seed=stage_seed(cfgs[0], index), epoch=epoch)
+        totals = reporter.all_sum([float(seen), *sums])  # one collective for every replica
+        val = _evaluate(live, val_src, reporter)
+        for k, r in enumerate(live):
+            metrics = {
+                "epoch": epoch + 1,
+                "step": r.step,
+                "train_loss": totals[1 + k] / totals[0],
+                "lr": r.setup.scheduler.get_last_lr()[0],
+                "samples_per_s": totals[0] * len(live) / train_s,
+                **val[k],
+            }
+            r.history.append(metrics)
+            score = metrics[ckpt_metric]
+            if r.best_score is None or better(score, r.best_score):
+                own = r.setup.stage.name
+                r.best_score, r.best_epoch = score, epoch + 1
+                r.best_own = {
+                    n: v.detach().clone() for n, v in r.setup.model.state_dict().items() if n.split(".")[1] == own
+                }
+            r.setup.scheduler.step_epoch(metrics)
+            r.done = r.stopper.update(metrics)
+        if reporter.rank == 0:
+            top = max(live, key=lambda r: r.history[-1][metric] * (1 if mode == "max" else -1))
+            print(
+                f"[{base.name}] batched epoch {epoch + 1}/{base.train.epochs}: {len(live)} replicas, "
+                f"best {metric} {top.history[-1][metric]:.4f} (replica {replicas.index(top)})",
+                flush=True,
+            )
+    return replicas
+
+
+def _replica(cfg, index, data, upstream, reporter, device, wrap) -> Replica:
+    setup = setup_stage(cfg, index, data, upstream, device, world=reporter.world)  # seeds torch as a lone stage
+    rng = torch.get_rng_state()  # the lone stage's generators right after its setup
+    setup.model.input_stage = setup.stage.name  # forward starts at the stage's own adapter/module
+    net = wrap(setup.model) if wrap is not None else setup.model
+    return Replica(cfg, setup, net, rng, _cuda_rng(device), EarlyStopping(setup.stage.train.early_stopping))
+
+
+def _cuda_rng(device: torch.device) -> torch.Tensor | None:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _train_epoch(
+    live: list[Replica], source: ArraySource, reporter: Reporter, *, seed: int, epoch: int
+) -> tuple[int, list[float], float]:
+    """One epoch: every batch read once and stepped by every live replica. Returns (samples
+    seen on this rank, each replica's sample-weighted loss sum, wall seconds)."""
+    train, solver = live[0].setup.stage.train, live[0].setup.stage.solver
+    for r in live:
+        r.setup.model.train()
+    sums = {id(r): torch.zeros(1, device=source.device) for r in live}
+    started, seen = time.perf_counter(), 0
+    batches = source.train_epoch(train.batch_size, rank=reporter.rank, world=reporter.world, seed=seed, epoch=epoch)
+    n_batches = source.num_train_batches(train.batch_size, reporter.world)
+    for (x, y), window, last in accumulation_windows(batches, n_batches, solver.accumulation_steps):
+        seen += len(y)
+        for r in live:
+            s = r.setup
+            with r.turn():
+                sync = not last and isinstance(r.net, DistributedDataParallel)
+                with r.net.no_sync() if sync else nullcontext():
+                    with s.precision.autocast():
+                        loss, _ = s.loss(r.net, x, y)
+                    s.precision.backward(loss / window)
+                sums[id(r)] += loss.detach().float() * len(y)
+                if last:  # the lone loop's optimizer step, without its health monitor
+                    s.precision.unscale(s.optimizer)
+                    clip_gradients(s.params, s.stage.solver.grad_clip)
+                    if not s.precision.step(s.optimizer):
+                        s.scheduler.step()
+                    s.optimizer.zero_grad(set_to_none=True)
+                    r.step += 1
+    return seen, [sums[id(r)].item() for r in live], time.perf_counter() - started
+
+
+@torch.no_grad()
+def _evaluate(live: list[Replica], source: ArraySource, reporter: Reporter) -> list[dict[str, float]]:
+    """The val metrics of every live replica, each val batch read once."""
+    metrics = [EvalMetrics(r.setup.target_kind, r.setup.out_width, r.setup.eval_loss) for r in live]
+    for r in live:
+        r.setup.model.eval()
+    eval_bs = live[0].setup.stage.train.eval_batch_size
+    for x, y in source.eval_epoch(eval_bs, rank=reporter.rank, world=reporter.world):
+        for r, m in zip(live, metrics):
+            head = r.setup.heads[-1]
+            m.update(r.setup.model(x, heads=[head])[head], y)
+    return [m.compute(reporter.all_sum, "val_") for m in metrics]
+
+
+def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
+    """Entry point Ray Train runs on every worker of a batched sweep (``loop_config`` as a stage
+    fit's, plus ``replicas``: each replica's pipeline config, and ``select``: metric and mode)."""
+    import ray
+    import ray.train.torch
+
+    from cascade_ray.checks import validate_config
+    from cascade_ray.stage.worker import RayReporter, _ddp_wrapper
+
+    base = loop_config["pipeline"]
+    index = int(loop_config["stage_index"])
+    cfgs = []
+    for k, raw in enumerate(loop_config["replicas"]):
+        raw["stages"][index]["scaling"] = base["stages"][index]["scaling"]  # the fit's use_gpu decision
+        cfgs.append(validate_config(raw, source=f"batched replica {k}", preflight=False))
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    torch.set_num_threads(max(1, int(cpus)))  # Ray pins OMP threads to the assigned CPUs
+    if cfgs[0].deterministic:  # as a lone stage's worker (stage/worker.py)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    device = ray.train.torch.get_device()
+    (data_ref,) = loop_config["data_ref"]
+    data = DataSplits.from_arrays(ray.get(data_ref))
+    upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
+    features = ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None
+    reporter = RayReporter(device)
+    wrap = _ddp_wrapper(cfgs[0].stages[index], device) if reporter.world > 1 else None
+    select = loop_config["select"]
+    outcome = run_batched(
+        cfgs, index, data, upstream, features, reporter, device, metric=select["metric"], mode=select["mode"], wrap=wrap
+    )
+    return dataclasses.asdict(outcome) if reporter.rank == 0 else None

@@ -1,0 +1,204 @@
+"""Batched sweeps: K sampled configs of one stage trained at once, in one TorchTrainer job.
+
+    cascade-ray tune pipelines/configs/debug.yaml --space tune_spaces/classifier.yaml --batched
+
+(or ``batched: true`` in the space file). The configs are sampled by the plain sweep's own
+``BasicVariantGenerator`` (same space, same pipeline seed, the current values first), so a
+batched sweep trains the trials a plain one would. The workers
+(:mod:`cascade_ray.stage.batched`) step one replica per config on every shared batch of the
+stage's cached upstream features; the outputs are the plain sweep's (``results.parquet``,
+``best.yaml``, the best replica adopted as the stage) plus ``replicas.json``, every replica's
+per-epoch history. What cannot be per replica (architecture, batches, epochs, ASHA's early
+stops, a stage without cached features) is refused before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import yaml
+
+from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.options import RunOptions
+from cascade_ray.pipeline.features import cache_decision
+from cascade_ray.pipeline.fit import fit_stage
+from cascade_ray.pipeline.records import SweepRecord
+from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession
+from cascade_ray.stage.batched import batched_train_loop_per_worker
+from cascade_ray.storage import StorageDir, write_table
+from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, adopt_best, format_results
+from cascade_ray.tune.space import TuneSpace, current_values
+from cascade_ray.tune.sweep import param_space, search_algorithm, trial_config
+
+PER_REPLICA = ("solver.", "loss.")  # what each replica sets up on its own (optimizer, lr plan, loss)
+SHARED = {  # per-replica prefixes a replica still cannot vary
+    "solver.accumulation_steps": "every replica steps on the same shared accumulation windows",
+}
+WHY_SHARED = {  # first key part -> why the replicas must share it
+    "model": "the stage's architecture: every replica is the same module",
+    "head": "the stage's architecture: every replica is the same head",
+    "adapter": "the stage's architecture: every replica is the same adapter",
+    "train": "the replicas share each batch read and one epoch loop (batch size, epochs, steps)",
+    "freeze": "what is frozen and cached is the shared upstream",
+    "scaling": "the replicas run in one worker group",
+}
+REPLICAS_FILE = "replicas.json"
+
+
+def batch_issues(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> list[ConfigIssue]:
+    """Why `space` cannot run batched on `cfg` (empty: it can); each fix names the plain sweep."""
+    plain = f"run it as Tune trials: cascade-ray tune CONFIG --space {space_file}" + (
+        " (set batched: false in the space file)" if space.batched else " (without --batched)"
+    )
+    issues = []
+    index = cfg.stage_index(space.stage)
+    for key in space.space:
+        if key.startswith(PER_REPLICA) and not any(key == s or key.startswith(s + ".") for s in SHARED):
+            continue
+        why = next((w for s, w in SHARED.items() if key == s or key.startswith(s + ".")), None)
+        why = why or WHY_SHARED.get(key.split(".")[0], "only solver.* and loss.* values are per replica")
+        issues.append(ConfigIssue(f"space.{key}", f"a batched sweep cannot vary {key}: {why}", plain))
+    if space.scheduler.type == "asha":
+        issues.append(
+            ConfigIssue(
+                "scheduler.type",
+                "asha stops trials one by one on their early results; batched replicas train in lock-step to the end",
+                f"set scheduler: {{type: fifo}}, or {plain}",
+            )
+        )
+    if space.search == "optuna":
+        issues.append(
+            ConfigIssue(
+                "search",
+                "optuna suggests each trial from the results before it; a batched sweep samples every config up front",
+                f"use search: random or grid, or {plain}",
+            )
+        )
+    if index == 0:
+        issues.append(
+            ConfigIssue("stage", f"stage {space.stage!r} is the first stage: it has no cached upstream features", plain)
+        )
+    elif not (cached := cache_decision(cfg, index))[0]:
+        issues.append(
+            ConfigIssue("stage", f"stage {space.stage!r} does not train on cached features: {cached[1]}", plain)
+        )
+    if cfg.data.streaming is True:
+        issues.append(
+            ConfigIssue(
+                "stage", "data.streaming is true: a batched sweep reads the in-memory feature cache only", plain
+            )
+        )
+    return issues
+
+
+def check_batchable(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> None:
+    """Raise the :func:`batch_issues` of `space` as one ConfigError (before Ray starts)."""
+    issues = batch_issues(cfg, space, space_file)
+    if issues:
+        raise ConfigError(issues, f"{space_file} (batched sweep)")
+
+
+def sample_values(cfg: PipelineConfig, space: TuneSpace) -> list[dict[str, Any]]:
+    """The trials' sampled values, in trial order, from the plain sweep's own search algorithm."""
+    current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
+    generator, _ = search_algorithm(space, current, 0, "", seed=cfg.seed)  # 0: no concurrency limit
+    values = []
+    # Tune's trials need an experiment storage (it writes a marker file there): a throwaway one,
+    # not Tune's default ~/ray_results
+    with tempfile.TemporaryDirectory(prefix="cascade-batched-") as tmp:
+        spec = {"run": _not_run, "config": param_space(space), "num_samples": space.num_samples, "storage_path": tmp}
+        generator.add_configurations({"batched": spec})
+        while (trial := generator.next_trial()) is not None:
+            values.append({key: trial.config[key] for key in space.space})
+    return values
+
+
+def _not_run(config: dict[str, Any]) -> None:  # the spec's trainable: sampled from, never run
+    raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class BatchedSweepRunner:
+    """The stage runner of a batched sweep (built, and checked, before Ray by ``api.stage_runners``)."""
+
+    space: TuneSpace
+    space_file: str
+
+    def __call__(self, session: StageSession, index: int, upstream: Handoff | None) -> StageOutcome:
+        started = time.perf_counter()
+        outcome = batched_sweep(session, index, self.space, upstream)
+        session.log(format_results(outcome, self.space.metric))
+        cfg, record, handoff = adopt_best(session, index, upstream, outcome, started=started)
+        record["sweep"] = SweepRecord(
+            results=str(outcome.results_path), best=str(outcome.best_yaml), trials=len(outcome.table)
+        ).to_json()
+        return StageOutcome(record, handoff, cfg)
+
+
+def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream: Handoff | None) -> SweepOutcome:
+    """Every sampled config of stage `index` trained in one TorchTrainer job; the outputs a plain sweep writes."""
+    exp_dir = session.out / "tune" / space.stage
+    cache = session.feature_cache(index, upstream)
+    if cache is None or session.stream is not None or upstream is None:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    f"stages[{index}].freeze.cache_features",
+                    "the stage's features are not cached in the object store here (see the log above)",
+                    f"run the sweep as Tune trials: drop --batched / batched: true ({space.stage!r})",
+                )
+            ]
+        )
+    values = sample_values(session.cfg, space)
+    replicas = [trial_config(session.cfg, space.stage, v).model_dump(mode="json") for v in values]
+    run = exp_dir / "trials" / _free_name(exp_dir / "trials")
+    session.log(f"batched sweep of {space.stage!r}: {len(values)} configs in one TorchTrainer job ({run})")
+    result = fit_stage(
+        session.cfg,
+        index,
+        data_ref=session.data_ref,
+        upstream_ref=upstream.ref,
+        ray_dir=run.parent,
+        run_name=run.name,
+        features_ref=cache.ref,
+        options=RunOptions(log_level=session.options.log_level),
+        train_loop=batched_train_loop_per_worker,
+        loop_extra={"replicas": replicas, "select": {"metric": space.metric, "mode": space.mode}},
+    )
+    histories, best = result.return_value["histories"], result.return_value["best"]
+    sign = 1 if space.mode == "max" else -1
+    rows = []
+    for k, (v, history) in enumerate(zip(values, histories, strict=True)):
+        top = max(history, key=lambda m: sign * m[space.metric])  # the trial's row in Tune's table
+        rows.append(
+            {"trial_id": f"{run.name}_{k:05d}", space.metric: top[space.metric], "epoch": top["epoch"]}
+            | {f"{CONFIG_PREFIX}{key}": value for key, value in v.items()}
+        )
+    table = sorted(rows, key=lambda r: -sign * r[space.metric])  # stable: ties keep trial order, as the worker's pick
+    results_path, best_yaml = exp_dir / "results.parquet", exp_dir / "best.yaml"
+    write_table(pa.Table.from_pylist(table), results_path)
+    best_yaml.write_text(
+        f"# best of {len(rows)} trials (batched) of stage {space.stage!r} by {space.metric} ({space.mode})\n"
+        + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values[best].items()}, sort_keys=True)
+    )
+    (exp_dir / REPLICAS_FILE).write_text(
+        json.dumps(
+            [{"trial_id": r["trial_id"], "values": v, "history": h} for r, v, h in zip(rows, values, histories)],
+            indent=1,
+        )
+    )
+    return SweepOutcome(
+        space.stage, values[best], float(rows[best][space.metric]), run, histories[best], table, results_path, best_yaml
+    )
+
+
+def _free_name(folder: StorageDir) -> str:
+    """``batched-aN``, N one past the highest attempt in `folder` (Ray resumes a run name that exists)."""
+    taken = [int(p.name.rsplit("-a", 1)[1]) for p in folder.glob("batched-a*") if p.name.rsplit("-a", 1)[1].isdigit()]
+    return f"batched-a{max(taken, default=0) + 1}"

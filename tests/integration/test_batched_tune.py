@@ -1,0 +1,90 @@
+"""``tune --batched`` end to end: the debug cascade's classifier swept as 4 replicas in one
+TorchTrainer job, on the cached features of the upstream the run trains first."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from fakes import ListReporter
+from paths import CONFIGS
+
+from cascade_ray.api import RunOptions, run_pipeline
+from cascade_ray.checks import load_config
+from cascade_ray.config.yaml_io import read_yaml
+from cascade_ray.data.source import load_data
+from cascade_ray.pipeline.artifacts import read_artifact
+from cascade_ray.pipeline.features import upstream_outputs
+from cascade_ray.stage.loop import run_stage
+from cascade_ray.tune.sweep import trial_config
+
+SPACE = """
+stage: classifier
+metric: val_accuracy
+mode: max
+num_samples: 4
+scheduler: {type: fifo}
+space:
+  solver.lr: {loguniform: [1.0e-3, 3.0e-2]}
+  loss.scale: {choice: [0.5, 1.0]}
+"""
+QUICK = ["stages.features.train.epochs=1", "stages.encoder.train.epochs=1", "stages.encoder.scaling.num_workers=1"]
+
+
+@pytest.fixture(scope="module")
+def sweep(ray_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batched")
+    space = tmp / "classifier.yaml"
+    space.write_text(SPACE)
+    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp}", *QUICK])
+    started = time.perf_counter()
+    summary = run_pipeline(
+        cfg, RunOptions(spaces=(("classifier", str(space)),), stop_after="classifier", batched=True), log=lambda _: None
+    )
+    return cfg, summary, time.perf_counter() - started
+
+
+def test_a_batched_sweep_writes_the_plain_sweeps_outputs_and_adopts_the_best_replica(sweep):
+    cfg, summary, elapsed = sweep
+    record = summary["stages"][2]
+    assert record["status"] == "tuned" and record["sweep"]["trials"] == 4
+    exp = Path(summary["storage"]) / "tune" / "classifier"
+    assert [p.name for p in (exp / "trials").iterdir()] == ["batched-a1"]  # one TorchTrainer job for 4 configs
+
+    table = pq.read_table(record["sweep"]["results"]).to_pylist()
+    scores = [row["val_accuracy"] for row in table]
+    assert len(table) == 4 and scores == sorted(scores, reverse=True)
+    assert {"trial_id", "epoch", "config/solver.lr", "config/loss.scale"} <= set(table[0])
+    # evaluate_current: one replica ran the stage's own values
+    assert any(r["config/solver.lr"] == pytest.approx(1e-2) and r["config/loss.scale"] == 1.0 for r in table)
+    best = read_yaml(record["sweep"]["best"])
+    assert best == {
+        "stages.classifier.solver.lr": table[0]["config/solver.lr"],
+        "stages.classifier.loss.scale": table[0]["config/loss.scale"],
+    }
+
+    replicas = json.loads((exp / "replicas.json").read_text())
+    assert len(replicas) == 4 and all(len(r["history"]) == cfg.stages[2].train.epochs for r in replicas)
+    winner = next(r for r in replicas if r["trial_id"] == table[0]["trial_id"])
+    assert max(h["val_accuracy"] for h in winner["history"]) == pytest.approx(scores[0])
+
+    # the adopted weights are the best config trained alone on the same upstream, at its best epoch by val_loss
+    _, upstream = read_artifact(summary["stages"][1]["artifact"])
+    _, adopted = read_artifact(record["artifact"])
+    best_cfg = trial_config(cfg, "classifier", winner["values"])
+    data = load_data(best_cfg.data, best_cfg.seed)
+    out = upstream_outputs(best_cfg, 2, data, upstream)
+    lone = ListReporter()
+    run_stage(
+        best_cfg, 2, data, upstream, lone, torch.device("cpu"), features={"x_train": out["train"], "x_val": out["val"]}
+    )
+    epoch = int(np.argmin([r["val_loss"] for r in lone.reports]))
+    assert record["metrics"]["val_loss"] == pytest.approx(lone.reports[epoch]["val_loss"], rel=1e-5)
+    for key, value in lone.states[epoch].items():
+        np.testing.assert_allclose(adopted[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    print(f"batched sweep pipeline (features + encoder + 4-replica classifier): {elapsed:.1f} s")
