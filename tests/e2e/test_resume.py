@@ -1,6 +1,7 @@
 """Mid-stage resume: the driver's whole process group is SIGKILLed in the middle of stage 2, and
 ``--resume`` continues that stage from its latest checkpoint, ending bit-identical to a run that
-was never interrupted. Runs ``python pipelines/three_stage.py`` with an embedded Ray, as users do.
+was never interrupted (the session's `script_run`). Runs ``python pipelines/three_stage.py`` with
+an embedded Ray, as users do.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import pytest
 from paths import ROOT
+from runs import DEBUG_OVERRIDES, ENCODER_EPOCHS
 
 pytestmark = pytest.mark.slow
 
-ENCODER_EPOCHS = 6
-OVERRIDES = [f"stages.encoder.train.epochs={ENCODER_EPOCHS}"]
+# the session's shared script run is the uninterrupted reference: the same config, so the same digests
+OVERRIDES = list(DEBUG_OVERRIDES)
 RUN_TIMEOUT_S = 300
 
 
@@ -73,11 +75,9 @@ def _summary(storage: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("uninterrupted")
-    done = subprocess.run(_cmd(storage), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return _summary(storage)
+def reference(script_run):
+    """The uninterrupted run of the same config: the session's shared pipeline-script run."""
+    return _summary(script_run.run.parent)
 
 
 def test_a_driver_killed_mid_stage_resumes_that_stage_and_ends_bit_identical(reference, tmp_path):
