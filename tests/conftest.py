@@ -61,13 +61,21 @@ def s3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def trained_run(tmp_path_factory):
-    """A finished debug run (1 epoch per stage) for the tools that use one (predict, serve, export,
-    load_cascade): trained once per test session by the real CLI in a subprocess with its own
-    embedded Ray, which exits before the modules' own Ray sessions start."""
-    from runs import train_debug_run
+def script_run(tmp_path_factory):
+    """The debug cascade run once, uninterrupted, by the pipeline script (``runs.DEBUG_OVERRIDES``:
+    1 epoch for features and classifier, 6 for the encoder) with its own embedded Ray, which exits
+    before the modules' own Ray sessions start. Shared: tests/e2e/test_scripts.py checks the run
+    itself; it is the reference of the kill-and-resume tests and the `trained_run` of the tools."""
+    from runs import run_debug_script
 
-    return train_debug_run(tmp_path_factory.mktemp("trained"))
+    return run_debug_script(tmp_path_factory.mktemp("script"))
+
+
+@pytest.fixture(scope="session")
+def trained_run(script_run):
+    """A finished debug run for the tools that use one (predict, serve, export, load_cascade):
+    `script_run`'s run folder (tests copy it before they write into it)."""
+    return script_run.run
 
 
 @pytest.fixture

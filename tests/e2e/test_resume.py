@@ -1,6 +1,8 @@
 """Mid-stage resume: the driver's whole process group is SIGKILLed in the middle of stage 2, and
 ``--resume`` continues that stage from its latest checkpoint, ending bit-identical to a run that
-was never interrupted. Runs ``python pipelines/three_stage.py`` with an embedded Ray, as users do.
+was never interrupted (the session's `script_run`, whose stage 1 the killed run starts from:
+copied, reused with ``--resume``). Runs ``python pipelines/three_stage.py`` with an embedded Ray,
+as users do.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,11 +20,12 @@ from pathlib import Path
 
 import pytest
 from paths import ROOT
+from runs import DEBUG_OVERRIDES, ENCODER_EPOCHS
 
 pytestmark = pytest.mark.slow
 
-ENCODER_EPOCHS = 6
-OVERRIDES = [f"stages.encoder.train.epochs={ENCODER_EPOCHS}"]
+# the session's shared script run is the uninterrupted reference: the same config, so the same digests
+OVERRIDES = list(DEBUG_OVERRIDES)
 RUN_TIMEOUT_S = 300
 
 
@@ -73,18 +77,19 @@ def _summary(storage: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("uninterrupted")
-    done = subprocess.run(_cmd(storage), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return _summary(storage)
+def reference(script_run):
+    """The uninterrupted run of the same config: the session's shared pipeline-script run."""
+    return _summary(script_run.run.parent)
 
 
 def test_a_driver_killed_mid_stage_resumes_that_stage_and_ends_bit_identical(reference, tmp_path):
     storage = tmp_path / "runs"
+    # stage 1 is the reference's (copied, reused by --resume): the killed driver trains stage 2 at once
+    features = Path(reference["storage"]) / "stages" / "features"
+    shutil.copytree(features, storage / "debug" / "stages" / "features")
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
-        _cmd(storage), cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        _cmd(storage, "--resume"), cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -122,6 +127,9 @@ def test_a_driver_killed_mid_stage_resumes_that_stage_and_ends_bit_identical(ref
     summary = _summary(storage)
     features, encoder, classifier = summary["stages"]
     assert features["status"] == "reused" and features.get("resumed_from_epoch") is None
+    assert (storage / "debug" / "stages" / "features" / "manifest.json").read_bytes() == (
+        Path(reference["storage"]) / "stages" / "features" / "manifest.json"
+    ).read_bytes()
     assert encoder["status"] == "trained" and encoder["resumed_from_epoch"] == killed_at
     assert classifier["status"] == "trained" and classifier.get("resumed_from_epoch") is None
     assert len(encoder["history"]) == ENCODER_EPOCHS, "the history before the kill is kept"

@@ -13,36 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
-from paths import CONFIGS, ROOT
-
-SCRIPT = ROOT / "pipelines" / "three_stage.py"
+from paths import CONFIGS
+from runs import DEBUG_OVERRIDES, SCRIPT, run_python
 
 
 def _run(args, tmp_path, timeout=300, home=None):
-    # RAY_TMPDIR: a private session folder, so "did Ray start?" is a directory listing
-    # (short, under /tmp: Ray's socket paths must stay under 108 bytes)
-    ray_tmp = Path(tempfile.mkdtemp(prefix="cr-", dir="/tmp"))
-    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
-    if home is not None:  # where Ray writes its token (~/.ray): not the developer's real one
-        env["HOME"] = str(home)
-        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-            env.pop(key, None)  # Ray's default: token auth on, token file under HOME
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path
-    )
-    return proc, ray_tmp
+    return run_python(args, tmp_path, timeout, home)
 
 
 @pytest.fixture(scope="module")
-def debug_run(tmp_path_factory):
-    """The debug cascade, uninterrupted, through the pipeline script."""
-    tmp = tmp_path_factory.mktemp("script")
-    storage = tmp / "runs"
-    home = tmp / "home"
-    home.mkdir()
-    proc, ray_tmp = _run([SCRIPT, "--config", CONFIGS / "debug.yaml", f"storage_path={storage}"], tmp, home=home)
-    return proc, ray_tmp, storage, home
+def debug_run(script_run):
+    """The debug cascade, uninterrupted, through the pipeline script: the session's shared run."""
+    return script_run.proc, script_run.ray_tmp, script_run.storage, script_run.home
 
 
 def test_pipeline_script_runs_the_debug_cascade_with_an_embedded_ray(debug_run):
@@ -111,7 +93,9 @@ def test_driver_killed_after_stage_one_resumes_to_the_same_result(debug_run, tmp
     ray_tmp = Path(tempfile.mkdtemp(prefix="cr-", dir="/tmp"))
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
     env.pop("RAY_ADDRESS", None)
+    # the shared run's config (DEBUG_OVERRIDES): the resumed run must end with its digests
     args = [sys.executable, str(SCRIPT), "--config", str(CONFIGS / "debug.yaml"), f"storage_path={storage}"]
+    args += DEBUG_OVERRIDES
     # own process group: the kill takes the embedded Ray down with the driver, like a lost node
     proc = subprocess.Popen(
         args, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

@@ -51,17 +51,17 @@ def bucket(s3, ray_session):
     return s3, prefix
 
 
+def _data(s3, prefix) -> list[str]:
+    """The overrides that point the debug config at the bucket's Parquet data."""
+    return [
+        "data.source=parquet",
+        f"data.path={s3.uri(prefix, 'data', 'train')}",  # a prefix: every *.parquet below it
+        f"data.test_path={s3.uri(prefix, 'data', 'test.parquet')}",
+    ]
+
+
 def _config(s3, prefix, *extra):
-    return load_config(
-        CONFIGS / "debug.yaml",
-        [
-            f"storage_path={s3.uri(prefix, 'runs')}",
-            "data.source=parquet",
-            f"data.path={s3.uri(prefix, 'data', 'train')}",  # a prefix: every *.parquet below it
-            f"data.test_path={s3.uri(prefix, 'data', 'test.parquet')}",
-            *extra,
-        ],
-    )
+    return load_config(CONFIGS / "debug.yaml", [f"storage_path={s3.uri(prefix, 'runs')}", *_data(s3, prefix), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,16 @@ def test_report_and_export_take_the_run_uri(first_run, capsys):
     assert {f"{prefix}/runs/debug/{name}" for name in names} <= keys
 
 
-def test_a_sweep_and_its_restore_run_on_the_bucket(bucket, tmp_path, capsys):
-    s3, prefix = bucket
+def test_a_sweep_and_its_restore_run_on_the_bucket(first_run, tmp_path, capsys):
+    """On the module run's data and config; its upstream stages are copied to the sweep's run
+    folder and reused (--resume), so the sweep trains its two trials and no stage before them."""
+    import pyarrow.fs as pafs
+
+    s3, prefix, summary, _ = first_run
+    fs = s3.filesystem()
+    for stage in ("features", "encoder"):
+        src, dst = (f"{s3.bucket}/{prefix}/{runs}/debug/stages/{stage}" for runs in ("runs", "sweep"))
+        pafs.copy_files(src, dst, source_filesystem=fs, destination_filesystem=fs)
     space = tmp_path / "classifier.yaml"
     space.write_text(SPACE)
     args = [
@@ -142,7 +150,8 @@ def test_a_sweep_and_its_restore_run_on_the_bucket(bucket, tmp_path, capsys):
         "--space",
         str(space),
         f"storage_path={s3.uri(prefix, 'sweep')}",
-        "stages.encoder.scaling.num_workers=1",
+        *_data(s3, prefix),
+        "--resume",
         "--log-level",
         "warning",
     ]
@@ -153,6 +162,11 @@ def test_a_sweep_and_its_restore_run_on_the_bucket(bucket, tmp_path, capsys):
     assert len({k.split("/")[6] for k in keys if k.startswith(f"{exp}/trials/trial-")}) == 2
     best = as_storage(s3.uri(exp, "best.yaml")).read_text()
     assert "stages.classifier.solver.lr" in best
+    for stage in ("features", "encoder"):  # reused: the copies are untouched (a fit writes a new manifest)
+        kept, source = (
+            as_storage(s3.uri(prefix, runs, "debug", "stages", stage, "manifest.json")) for runs in ("sweep", "runs")
+        )
+        assert kept.read_text() == source.read_text(), stage
     capsys.readouterr()
-    assert cli.main([*args, "--resume"]) == 0, capsys.readouterr().err[-3000:]
+    assert cli.main(args) == 0, capsys.readouterr().err[-3000:]  # the restore
     assert "reused" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """`cascade-ray serve` end to end: a real Serve app on a loopback port, a real HTTP client.
 
-One Serve app for the module (model A = `trained_run`); the reload test swaps it to model B (a
-second run of the same pipeline, another seed) under load; the object-storage tests serve the
+One Serve app for the module (model A = `trained_run`); the reload test swaps it to model B (the
+same pipeline with a retrained classifier) under load; the object-storage tests serve the
 copy on moto S3.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import socket
 import threading
 import time
@@ -48,9 +49,13 @@ def _predict(url: str, rows) -> tuple[int, dict, str]:
 
 
 @pytest.fixture(scope="module")
-def second_run(tmp_path_factory):
-    """Model B: the debug pipeline again with another seed (same pipeline and spec, other weights)."""
-    return train_debug_run(tmp_path_factory.mktemp("second"), "seed=1")
+def second_run(trained_run, tmp_path_factory):
+    """Model B: the same pipeline and spec with another classifier: a copy of `trained_run` resumed
+    by the CLI with a changed classifier learning rate (its upstream stages are reused, so one stage
+    is trained; other weights, another fingerprint)."""
+    storage = tmp_path_factory.mktemp("second")
+    shutil.copytree(trained_run, storage / "debug")
+    return train_debug_run(storage, "stages[2].solver.lr=3e-3", "--resume")
 
 
 @pytest.fixture(scope="module")
