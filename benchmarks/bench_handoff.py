@@ -1,46 +1,47 @@
-"""P3 hand-off: a ~100 MB frozen stage to N consumers, object store vs checkpoint directory.
+"""P3 hand-off: a >= 400 MB frozen stage to N consumers; shared views vs copies vs a checkpoint directory.
 
-    /work/venv/bin/python benchmarks/bench_handoff.py [--repeats 9] [--consumers 1 2 4 8]
+    flock /tmp/cascade-cpu.lock .venv/bin/python benchmarks/bench_handoff.py [--repeats 5] [--consumers 1 2 4 8]
 
-The frozen state is a ResNet-50-shaped state dict built without torchvision: the 320 entries
-of torchvision's ``resnet50().state_dict()`` (53 convolutions, 53 BatchNorms with their
-running statistics and ``num_batches_tracked``, the 1000-way fc), random float32 values,
-25.6M parameters, ~102 MB. The producer (this driver) holds it as numpy arrays, which is
-what cascade-ray's driver holds after reading a stage's best checkpoint.
+The frozen state is a wide-ResNet-50-shaped state dict built without torchvision: the 320
+entries of torchvision's ``resnet50().state_dict()`` with every width doubled (``--width 2``)
+and a 2000-way fc (``--classes 2000``): 53 convolutions, 53 BatchNorms with running statistics
+and ``num_batches_tracked``, random float32, ~102M parameters, ~390 MiB (> 400 MB). The producer
+(this driver) holds it as numpy arrays, as cascade-ray's driver holds a finished stage.
 
-Consumers are Ray actors (``num_cpus=0.25`` each, so 8 fit on ``ray.init(num_cpus=2)``),
-all started and warmed up (torch and safetensors imported, destination tensors allocated)
-before any timing. Timed: from the moment the producer has the state until all N consumers
-report it loaded; every consumer ends with the same thing, torch tensors it owns:
+Consumers are Ray actors (``num_cpus=0.1`` each), all started and warmed up (torch, safetensors
+and cascade_ray imported, modules built) before any timing. Timed: from the moment the producer
+has the state until all N consumers report it loaded into a module (an ``nn.Module`` tree with
+the state dict's keys: parameters, and buffers for the BatchNorm statistics):
 
-- **object store** (candidate, cascade-ray's hand-off): one ``ray.put``; each consumer
-  ``ray.get``s the ref (zero-copy read-only numpy views of shared memory) and copies.
-- **checkpoint directory** (baseline): the producer writes ``weights.safetensors`` into a
-  fresh directory (no fsync); each consumer reads it. Nothing is dropped from the page
-  cache: the file is read back from memory, the directory path's best case (a checkpoint on
-  cold disk or network storage is slower).
+- **checkpoint directory** (baseline): the producer writes ``weights.safetensors`` into a fresh
+  directory (no fsync); each consumer ``load_file``s it and copies into the module it has built
+  (as ``load_state_dict`` does). The page cache is not dropped: the directory's best case.
+- **object store, copied** (cascade-ray's hand-off before issue 19): one ``ray.put``; each
+  consumer ``ray.get``s (read-only views of shared memory) and copies into its module.
+- **object store, shared** (cascade-ray's hand-off now): one ``ray.put``; each consumer
+  ``ray.get``s and makes the module's tensors views of the arrays with
+  ``cascade_ray.models.weights.share_numpy_state``, the function Train workers use for frozen
+  upstream tensors. No copy: N consumers on the node read the object store's one copy.
 
-Each path is timed in two modes that end in the same state:
+The copying paths' consumers hold a module built before timing (its tensors allocated and
+written); the shared path's consumers build theirs (``torch.empty``, untouched: a Train worker's
+random init would touch it) before each round, untimed, since the share replaces those tensors.
+Once, untimed, a consumer of each path returns a sha256 of every tensor it holds, checked against
+the producer's. Each N runs ``--repeats`` times, the paths rotating which goes first; medians.
 
-- **fresh tensors**: the consumer allocates them (``np.array`` copy of each view, vs
-  ``safetensors.torch.load_file(..., backend="pread")``; the default ``mmap`` backend returns
-  tensors backed by the file mapping, not a copy, so it would not be the same final state);
-- **into a pre-built module**: ``copy_`` into tensors allocated and written before timing, as
-  a Train worker loads upstream weights into the model it has just built (from the views, vs
-  from ``load_file``'s mmap-backed tensors).
-
-Once, untimed, a consumer of each path and mode returns a sha256 of every tensor it loaded,
-checked against the producer's. Each N and mode runs ``--repeats`` times, the two paths
-alternating which goes first; medians are reported. One extra, *not equal-state*, line per N
-shows the object store with no copy (read-only numpy views only), to separate transport
-from copy cost. "Flat in N" is read as at most 1.5x from the smallest to the largest N.
-Prints ``figure: value (ratio vs baseline)``.
+Memory: after the last round at the largest N, every consumer reads each of its tensors (a
+forward would), then reports ``/proc/self/smaps_rollup``: RSS, PSS (shared pages divided by the
+processes that map them) and USS (private pages: ``Private_Clean + Private_Dirty``). Shared
+object-store pages count fully in RSS, so RSS overstates a sharing worker; USS is what the worker
+alone costs, PSS its fair share. "Flat in N" is read as at most 1.5x from the smallest to the
+largest N. Prints ``figure: value (ratio vs baseline)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import os
 import shutil
 import statistics
@@ -54,10 +55,11 @@ import numpy as np
 
 RESNET50_BLOCKS = (3, 4, 6, 3)
 RESNET50_WIDTHS = (64, 128, 256, 512)
+MIB = 2**20
 
 
-def resnet50_shapes() -> dict[str, tuple[tuple[int, ...], str]]:
-    """Key -> (shape, dtype) of torchvision's resnet50 state dict, in its order."""
+def resnet50_shapes(width: int = 1, classes: int = 1000) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Key -> (shape, dtype) of torchvision's resnet50 state dict with widths x `width`, in its order."""
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
 
     def conv(name: str, out: int, inp: int, k: int) -> None:
@@ -68,37 +70,36 @@ def resnet50_shapes() -> dict[str, tuple[tuple[int, ...], str]]:
             shapes[f"{name}.{part}"] = ((c,), "float32")
         shapes[f"{name}.num_batches_tracked"] = ((), "int64")
 
-    conv("conv1", 64, 3, 7)
-    bn("bn1", 64)
-    inp = 64
-    for layer, (blocks, width) in enumerate(zip(RESNET50_BLOCKS, RESNET50_WIDTHS), start=1):
+    conv("conv1", 64 * width, 3, 7)
+    bn("bn1", 64 * width)
+    inp = 64 * width
+    for layer, (blocks, base) in enumerate(zip(RESNET50_BLOCKS, RESNET50_WIDTHS), start=1):
+        w = base * width
         for b in range(blocks):
             p = f"layer{layer}.{b}"
-            conv(f"{p}.conv1", width, inp, 1)
-            bn(f"{p}.bn1", width)
-            conv(f"{p}.conv2", width, width, 3)
-            bn(f"{p}.bn2", width)
-            conv(f"{p}.conv3", width * 4, width, 1)
-            bn(f"{p}.bn3", width * 4)
+            conv(f"{p}.conv1", w, inp, 1)
+            bn(f"{p}.bn1", w)
+            conv(f"{p}.conv2", w, w, 3)
+            bn(f"{p}.bn2", w)
+            conv(f"{p}.conv3", w * 4, w, 1)
+            bn(f"{p}.bn3", w * 4)
             if b == 0:
-                conv(f"{p}.downsample.0", width * 4, inp, 1)
-                bn(f"{p}.downsample.1", width * 4)
-            inp = width * 4
-    shapes["fc.weight"] = ((1000, 2048), "float32")
-    shapes["fc.bias"] = ((1000,), "float32")
+                conv(f"{p}.downsample.0", w * 4, inp, 1)
+                bn(f"{p}.downsample.1", w * 4)
+            inp = w * 4
+    shapes["fc.weight"] = ((classes, inp), "float32")
+    shapes["fc.bias"] = ((classes,), "float32")
     return shapes
 
 
-def make_state(seed: int = 0) -> dict[str, np.ndarray]:
+def make_state(shapes: dict, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    state = {}
-    for key, (shape, dtype) in resnet50_shapes().items():
-        state[key] = (
-            np.array(int(rng.integers(0, 1000)), dtype=np.int64)
-            if dtype == "int64"
-            else rng.standard_normal(shape, dtype=np.float32)
-        )
-    return state
+    return {
+        key: np.array(int(rng.integers(0, 1000)), dtype=np.int64)
+        if dtype == "int64"
+        else rng.standard_normal(shape, dtype=np.float32)
+        for key, (shape, dtype) in shapes.items()
+    }
 
 
 def digest(arrays) -> str:
@@ -106,114 +107,137 @@ def digest(arrays) -> str:
     h = hashlib.sha256()
     for key in sorted(arrays):
         a = arrays[key]
-        a = a.numpy() if hasattr(a, "numpy") else np.asarray(a)
+        a = a.detach().numpy() if hasattr(a, "detach") else np.asarray(a)
         h.update(f"{key}|{a.dtype.str}|{a.shape}|".encode())
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
 
 
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """RSS, PSS and USS of a process in bytes, from /proc/<pid>/smaps_rollup."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return {"rss": fields["Rss"], "pss": fields["Pss"], "uss": fields["Private_Clean"] + fields["Private_Dirty"]}
+
+
 def make_consumer_class():
     import ray
 
-    @ray.remote(num_cpus=0.25)
+    @ray.remote(num_cpus=0.1)
     class Consumer:
-        """Receives a frozen state and ends with torch tensors it owns.
+        """Holds a module with the frozen state's keys; loads a hand-off into it."""
 
-        ``into_module=False``: new tensors each time (the consumer allocates them).
-        ``into_module=True``: copied into tensors allocated and written before any timing,
-        as a Train worker loads upstream weights into the model it has just built
-        (``load_state_dict`` does the same per-tensor ``copy_``).
-        """
-
-        def ready(self, shapes: dict) -> int:
+        def ready(self, shapes: dict, written: bool) -> int:
             import safetensors.torch  # noqa: F401  (imports are not part of any timed round)
             import torch
 
+            import cascade_ray.models.weights  # noqa: F401
+
             torch.set_num_threads(1)
-            self.module = {
-                k: torch.empty(shape, dtype=getattr(torch, dtype)).fill_(1) for k, (shape, dtype) in shapes.items()
-            }
+            self.shapes = shapes
+            self.build(written)
             return os.getpid()
 
-        def _finish(self, tensors, check: bool):
-            return digest(tensors) if check else sum(t.numel() for t in tensors.values())
+        def build(self, written: bool) -> None:
+            """The module a worker has just built: parameters, BatchNorm statistics as buffers."""
+            import torch
+            from torch import nn
 
-        def _copy_in(self, source) -> dict:
+            self.module = None  # drop the last round's tensors (and its object-store views) first
+            root = nn.Module()
+            for key, (shape, dtype) in self.shapes.items():
+                *path, leaf = key.split(".")
+                node = root
+                for part in path:
+                    if not hasattr(node, part):
+                        node.add_module(part, nn.Module())
+                    node = getattr(node, part)
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                if written:
+                    t.fill_(1)
+                if "running" in leaf or leaf == "num_batches_tracked":
+                    node.register_buffer(leaf, t)
+                else:
+                    node.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+            self.module = root
+
+        def _copy_in(self, source) -> int:
             import torch
 
             with torch.no_grad():
-                for key, dst in self.module.items():
+                for key, dst in self.module.state_dict().items():
                     dst.copy_(source[key])
-            return self.module
+            return len(source)
 
-        def from_store(self, wrapped: list, into_module: bool, check: bool = False):
+        def from_dir(self, path: str) -> int:
+            from safetensors.torch import load_file
+
+            return self._copy_in(load_file(path))  # mmap-backed tensors (the page cache), copied in
+
+        def from_store_copied(self, wrapped: list) -> int:
             import torch
 
             state = ray.get(wrapped[0])  # read-only numpy views of the shared object
-            if into_module:
-                with warnings.catch_warnings():  # read-only source, copied from: never written
-                    warnings.simplefilter("ignore", UserWarning)
-                    return self._finish(self._copy_in({k: torch.from_numpy(v) for k, v in state.items()}), check)
-            return self._finish(
-                {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, check
-            )  # own, writable copies
+            with warnings.catch_warnings():  # read-only source, copied from: never written
+                warnings.simplefilter("ignore", UserWarning)
+                return self._copy_in({k: torch.from_numpy(v) for k, v in state.items()})
 
-        def from_store_views(self, wrapped: list) -> int:
-            state = ray.get(wrapped[0])  # attribution only: no copy, not the same final state
-            return sum(v.size for v in state.values())
+        def from_store_shared(self, wrapped: list) -> int:
+            from cascade_ray.models.weights import share_numpy_state
 
-        def from_dir(self, path: str, into_module: bool, check: bool = False):
-            from safetensors.torch import load_file
+            state = ray.get(wrapped[0])
+            return len(share_numpy_state(self.module, state, list(state)))
 
-            if into_module:  # mmap-backed tensors (the page cache), copied into the module
-                return self._finish(self._copy_in(load_file(path)), check)
-            return self._finish(load_file(path, backend="pread"), check)  # read into tensors it owns
+        def check(self) -> str:
+            return digest(self.module.state_dict())
+
+        def touch_and_measure(self) -> dict[str, int]:
+            """Read every tensor (as a forward would), then this process's memory."""
+            total = 0.0
+            for t in self.module.state_dict().values():
+                total += float(t.double().sum()) if t.dim() == 0 else float(t.sum())
+            return smaps_rollup() | {"checksum": int(total) & 1}
 
     return Consumer
 
 
-def via_store(state, consumers, into_module: bool = False, views: bool = False) -> tuple[float, float]:
-    """(total s, put s): one put, every consumer gets and copies."""
-    import ray
-
-    t0 = time.perf_counter()
-    ref = ray.put(state)
-    t_put = time.perf_counter() - t0
-    calls = [c.from_store_views.remote([ref]) if views else c.from_store.remote([ref], into_module) for c in consumers]
-    ray.get(calls)
-    total = time.perf_counter() - t0
-    del ref, calls
-    return total, t_put
-
-
-def via_dir(state, consumers, root: Path, into_module: bool = False) -> tuple[float, float]:
-    """(total s, write s): the producer writes a checkpoint directory, every consumer reads it."""
+def run_path(kind: str, state, consumers, root: Path) -> tuple[float, float]:
+    """(total s, producer s): the producer hands `state` on, every consumer loads it into its module."""
     import ray
     from safetensors.numpy import save_file
 
     t0 = time.perf_counter()
-    ckpt = Path(tempfile.mkdtemp(prefix="ckpt-", dir=root))
-    save_file(state, str(ckpt / "weights.safetensors"))
-    t_write = time.perf_counter() - t0
-    ray.get([c.from_dir.remote(str(ckpt / "weights.safetensors"), into_module) for c in consumers])
+    if kind == "dir":
+        ckpt = Path(tempfile.mkdtemp(prefix="ckpt-", dir=root))
+        save_file(state, str(ckpt / "weights.safetensors"))
+        t_prod = time.perf_counter() - t0
+        ray.get([c.from_dir.remote(str(ckpt / "weights.safetensors")) for c in consumers])
+        total = time.perf_counter() - t0
+        shutil.rmtree(ckpt)
+        return total, t_prod
+    ref = ray.put(state)
+    t_prod = time.perf_counter() - t0
+    method = "from_store_shared" if kind == "shared" else "from_store_copied"
+    ray.get([getattr(c, method).remote([ref]) for c in consumers])
     total = time.perf_counter() - t0
-    shutil.rmtree(ckpt)
-    return total, t_write
+    del ref
+    return total, t_prod
 
 
-MODES = (("fresh tensors", False), ("into a pre-built module", True))
+PATHS = {"dir": "checkpoint directory", "copied": "object store, copied", "shared": "object store, shared"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--consumers", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="where checkpoint directories go (default: a temp dir under $TMPDIR or /tmp)",
-    )
+    parser.add_argument("--width", type=int, default=2, help="ResNet-50 width multiplier (2: ~390 MiB)")
+    parser.add_argument("--classes", type=int, default=2000, help="fc outputs")
+    parser.add_argument("--dir", type=Path, default=None, help="where checkpoint directories go (default: $TMPDIR)")
     args = parser.parse_args(argv)
     from cascade_ray.hardware import hardware_line
 
@@ -223,88 +247,103 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from safetensors.numpy import save_file
 
-    state = make_state()
+    shapes_np = resnet50_shapes(args.width, args.classes)
+    state = make_state(shapes_np)
     n_bytes = sum(a.nbytes for a in state.values())
     n_params = sum(a.size for k, a in state.items() if a.dtype == np.float32 and "running" not in k)
     root = Path(tempfile.mkdtemp(prefix="bench-handoff-", dir=args.dir))
+    n_max = max(args.consumers)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         Consumer = make_consumer_class()
-        consumers = [Consumer.remote() for _ in range(max(args.consumers))]
-        shapes = {k: (v.shape, str(v.dtype)) for k, v in state.items()}
-        ray.get([c.ready.remote(shapes) for c in consumers])
+        shapes = {k: (shape, dtype) for k, (shape, dtype) in shapes_np.items()}
+        copying = [Consumer.remote() for _ in range(n_max)]  # a built, written module each: dir and copied
+        sharing = [Consumer.remote() for _ in range(n_max)]
+        ray.get([c.ready.remote(shapes, True) for c in copying] + [c.ready.remote(shapes, False) for c in sharing])
         print(
-            f"bench_handoff: ResNet-50-shaped state, {len(state)} tensors, {n_params / 1e6:.1f}M params, {n_bytes / 2**20:.1f} MiB; "
-            f"{len(consumers)} actors (num_cpus=0.25) started before timing; ray {ray.__version__}, ray.init(num_cpus=2); "
-            f"checkpoint dirs under {root} (page cache not dropped); {args.repeats} repeats per N, alternating, medians",
+            f"bench_handoff: wide-ResNet-50-shaped state (widths x{args.width}, {args.classes}-way fc), {len(state)} tensors, "
+            f"{n_params / 1e6:.1f}M params, {n_bytes / MIB:.1f} MiB ({n_bytes / 1e6:.0f} MB); 2 x {n_max} actors (num_cpus=0.1) "
+            f"started before timing; ray {ray.__version__}, ray.init(num_cpus=2); checkpoint dirs under {root} (page cache "
+            f"not dropped); {args.repeats} repeats per N, rotating order, medians",
             flush=True,
         )
 
-        # untimed: every path delivers exactly the producer's state
-        want = digest(state)
+        want = digest(state)  # untimed: every path delivers exactly the producer's state
         ref = ray.put(state)
         path = root / "check.safetensors"
         save_file(state, str(path))
-        for _, into_module in MODES:
-            got_store = ray.get(consumers[0].from_store.remote([ref], into_module, check=True))
-            got_dir = ray.get(consumers[0].from_dir.remote(str(path), into_module, check=True))
-            if not (got_store == want == got_dir):
-                raise RuntimeError("a consumer's loaded state differs from the producer's")
+        ray.get([copying[0].from_dir.remote(str(path))])
+        got = {"dir": ray.get(copying[0].check.remote())}
+        ray.get([copying[0].from_store_copied.remote([ref]), sharing[0].from_store_shared.remote([ref])])
+        got |= {"copied": ray.get(copying[0].check.remote()), "shared": ray.get(sharing[0].check.remote())}
+        if set(got.values()) != {want}:
+            raise RuntimeError(f"a consumer's loaded state differs from the producer's: {got}")
+        ray.get(sharing[0].build.remote(False))
         del ref
         path.unlink()
-        print(
-            f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)",
-            flush=True,
-        )
-        for _, into_module in MODES:  # warm-up, not measured
-            via_store(state, consumers, into_module), via_dir(state, consumers, root, into_module)
+        print(f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)")
 
-        results: dict[tuple[str, int], dict[str, float]] = {}
+        def one(kind: str, n: int) -> tuple[float, float]:
+            if kind == "shared":
+                ray.get([c.build.remote(False) for c in sharing[:n]])  # untimed: the model a worker builds
+            return run_path(kind, state, (sharing if kind == "shared" else copying)[:n], root)
+
+        for kind in PATHS:  # warm-up, not measured
+            one(kind, n_max)
+        orders = itertools.cycle(itertools.permutations(PATHS))
+        results: dict[tuple[str, int], float] = {}
         for n in args.consumers:
-            group = consumers[:n]
-            for mode, into_module in MODES:
-                runs: dict[str, list[float]] = {"store": [], "put": [], "dir": [], "write": []}
-                for rep in range(args.repeats):
-                    for kind in ("store", "dir") if rep % 2 == 0 else ("dir", "store"):
-                        if kind == "store":
-                            total, part = via_store(state, group, into_module)
-                            runs["store"].append(total), runs["put"].append(part)
-                        else:
-                            total, part = via_dir(state, group, root, into_module)
-                            runs["dir"].append(total), runs["write"].append(part)
-                med = {k: statistics.median(v) for k, v in runs.items()}
-                results[(mode, n)] = med
+            runs: dict[str, list[float]] = {k: [] for k in PATHS}
+            prod: dict[str, list[float]] = {k: [] for k in PATHS}
+            for _ in range(args.repeats):
+                for kind in next(orders):
+                    total, part = one(kind, n)
+                    runs[kind].append(total), prod[kind].append(part)
+            base = statistics.median(runs["dir"])
+            for kind, label in PATHS.items():
+                med = results[(kind, n)] = statistics.median(runs[kind])
+                what = "producer write" if kind == "dir" else "put"
                 print(
-                    f"N={n} {mode}, checkpoint directory: {med['dir']:.3f} s (1.000 vs baseline; producer write {med['write']:.3f} s; "
-                    f"runs {min(runs['dir']):.3f}..{max(runs['dir']):.3f})",
+                    f"N={n} {label}: {med:.3f} s ({base / med:.2f}x faster than baseline; {what} "
+                    f"{statistics.median(prod[kind]):.3f} s; runs {min(runs[kind]):.3f}..{max(runs[kind]):.3f})",
                     flush=True,
                 )
-                print(
-                    f"N={n} {mode}, object store: {med['store']:.3f} s ({med['dir'] / med['store']:.2f}x faster than baseline; put {med['put']:.3f} s; "
-                    f"runs {min(runs['store']):.3f}..{max(runs['store']):.3f})",
-                    flush=True,
-                )
-            views = statistics.median(via_store(state, group, views=True)[0] for _ in range(args.repeats))
-            results[("views", n)] = {"store": views}
+        first, last = min(args.consumers), n_max
+        for kind, label in PATHS.items():
+            a, b = results[(kind, first)], results[(kind, last)]
+            print(f"growth N={first}->{last}, {label}: {a:.3f} s -> {b:.3f} s ({b / a:.2f}x)")
+
+        # memory at the largest N: the sharing actors still hold the last round's views
+        one("shared", last)
+        ref = ray.put(state)  # the copying actors end holding their own copy (the last round's)
+        ray.get([c.from_store_copied.remote([ref]) for c in copying[:last]])
+        del ref
+        mem = {
+            "copied": ray.get([c.touch_and_measure.remote() for c in copying[:last]]),
+            "shared": ray.get([c.touch_and_measure.remote() for c in sharing[:last]]),
+        }
+        for kind, label in (
+            ("copied", "checkpoint directory / object store, copied"),
+            ("shared", "object store, shared"),
+        ):
+            m = {k: statistics.median(r[k] for r in mem[kind]) / MIB for k in ("rss", "pss", "uss")}
             print(
-                f"N={n} object store, read-only views only (no copy; NOT the same final state, attribution only): {views:.3f} s "
-                f"({results[(MODES[1][0], n)]['dir'] / views:.2f}x faster than the pre-built-module baseline)",
-                flush=True,
+                f"memory per worker at N={last}, {label} (median of {last}): USS {m['uss']:.0f} MiB, PSS {m['pss']:.0f} MiB, "
+                f"RSS {m['rss']:.0f} MiB; frozen stage {n_bytes / MIB:.0f} MiB"
             )
-        first, last = min(args.consumers), max(args.consumers)
-        for mode, _ in MODES:
-            for kind, label in (("dir", "checkpoint directory"), ("store", "object store")):
-                a, b = results[(mode, first)][kind], results[(mode, last)][kind]
-                print(f"growth N={first}->{last}, {mode}, {label}: {a:.3f} s -> {b:.3f} s ({b / a:.2f}x)")
-        a, b = results[("views", first)]["store"], results[("views", last)]["store"]
-        print(f"growth N={first}->{last}, object store views only: {a:.3f} s -> {b:.3f} s ({b / a:.2f}x)")
-        for mode, _ in MODES:
-            speedup = results[(mode, last)]["dir"] / results[(mode, last)]["store"]
-            growth = results[(mode, last)]["store"] / results[(mode, first)]["store"]
-            print(
-                f"P3 target ({mode}): object store >= 5x faster at N={last}: {speedup:.2f}x -> {'met' if speedup >= 5 else 'NOT met'}; "
-                f"flat in N (taken as <= 1.5x from N={first} to N={last}): {growth:.2f}x -> {'met' if growth <= 1.5 else 'NOT met'}"
-            )
+        uss_copy = statistics.median(r["uss"] for r in mem["copied"])
+        uss_shared = statistics.median(r["uss"] for r in mem["shared"])
+        print(
+            f"private memory (USS) per worker, shared vs copied: {uss_shared / MIB:.0f} vs {uss_copy / MIB:.0f} MiB "
+            f"({uss_shared / uss_copy:.3f}x); shared USS minus an idle worker's is what the stage costs it"
+        )
+        speedup = results[("dir", last)] / results[("shared", last)]
+        growth = results[("shared", last)] / results[("shared", first)]
+        print(
+            f"P3 target: object store (shared) >= 5x faster than a checkpoint directory at N={last}: {speedup:.2f}x -> "
+            f"{'met' if speedup >= 5 else 'NOT met'}; flat in N (<= 1.5x from N={first} to N={last}): {growth:.2f}x -> "
+            f"{'met' if growth <= 1.5 else 'NOT met'}"
+        )
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,9 @@
 """Which parts of the cascade a stage trains, and proof that the rest did not move.
 
-"Frozen" here means three things at once: ``requires_grad=False``, eval mode (so
-BatchNorm running statistics and dropout are fixed), and not in the optimizer. A
+"Frozen" here means four things at once: ``requires_grad=False``, eval mode (so
+BatchNorm running statistics and dropout are fixed), not in the optimizer, and left out of
+DDP's parameter and buffer broadcasts (frozen upstream tensors are read-only views of the
+object store's shared arrays: ``models.weights.share_numpy_state``). A
 sha256 digest of every frozen parameter *and buffer* is taken before the stage
 trains and compared after; any difference is a :class:`FrozenDriftError`.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import FrozenDriftError
@@ -82,6 +85,11 @@ def apply_freeze(model: CascadeModel, plan: TrainablePlan) -> None:
     for name in plan.trainable_modules:
         modules[name].requires_grad_(True)
     model.set_frozen_modules([modules[n] for n in plan.frozen_modules])
+    # DDP broadcasts every parameter and buffer from rank 0 when it wraps the model, and the
+    # buffers again before every training forward: in place, so into frozen tensors shared
+    # with the object store (share_numpy_state). Every rank's frozen state is the same hand-off
+    # (or the same seeded init), so leaving it out changes nothing but the writes.
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(plan.frozen_keys))
 
 
 def frozen_digest(model: nn.Module, plan: TrainablePlan) -> dict[str, str]:

@@ -2,6 +2,8 @@
 
 Frozen weights cross process boundaries as ``dict[str, np.ndarray]`` because Ray
 shares numpy arrays zero-copy (read-only), while torch tensors are copied per reader.
+:func:`share_numpy_state` makes a module's frozen tensors views of those arrays, so N
+workers on one node hold one copy of a frozen upstream (the object store's).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from torch import nn
 
 NumpyState = dict[str, np.ndarray]
 
+# the keys a module holds as views of shared arrays (set by share_numpy_state, read by
+# load_numpy_state); a plain attribute, not a buffer, so it never enters the state dict
+SHARED_KEYS_ATTR = "_cascade_shared_keys"
+# torch's warning for torch.from_numpy on a non-writable array (the object store's are)
+_READ_ONLY_WARNING = "The given NumPy array is not writable"
+
 # safetensors' own reader refuses headers above 100 MB, after allocating for them; a header this
 # size describes millions of tensors, far beyond any cascade stage.
 SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
@@ -34,13 +42,73 @@ def to_numpy_state(state: Mapping[str, torch.Tensor]) -> NumpyState:
 
 
 def load_numpy_state(module: nn.Module, state: Mapping[str, np.ndarray], *, strict: bool = True) -> None:
-    """Copy a (possibly read-only, shared) numpy state dict into a module's tensors."""
+    """Copy a (possibly read-only, shared) numpy state dict into a module's tensors.
+
+    Keys the module holds as shared views (:func:`share_numpy_state`) are compared, never
+    written: writing them would write the object store's copy that every worker on the node
+    reads (a resumed stage's checkpoint holds the same frozen bytes).
+
+    Raises:
+        RuntimeError: naming the key, when `state` differs from a shared (frozen) tensor.
+    """
+    shared = getattr(module, SHARED_KEYS_ATTR, frozenset()) & set(state)
+    if shared:
+        current = module.state_dict()
+        differ = sorted(
+            k for k in shared if not np.array_equal(current[k].detach().cpu().numpy(), np.asarray(state[k]))
+        )
+        if differ:
+            raise RuntimeError(
+                f"{len(differ)} frozen tensor(s) shared from the upstream hand-off differ from the state loaded "
+                f"over them: {differ[:5]}; a checkpoint of this stage must hold its upstream's frozen weights unchanged"
+            )
     with warnings.catch_warnings():
         # torch warns that the object-store arrays are read-only; load_state_dict copies
         # them into the module's own tensors, so nothing ever writes to shared memory.
-        warnings.simplefilter("ignore", UserWarning)
-        tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}
-    module.load_state_dict(tensors, strict=strict)
+        warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
+        tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items() if k not in shared}
+    result = module.load_state_dict(tensors, strict=False)
+    missing = sorted(set(result.missing_keys) - shared)
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(
+            f"state does not fit the module: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+
+
+def share_numpy_state(module: nn.Module, state: Mapping[str, np.ndarray], keys: Iterable[str]) -> list[str]:
+    """Make `keys` of `module` views of `state`'s arrays, without a copy.
+
+    For frozen weights only: the module's parameter (``requires_grad`` kept) or buffer
+    becomes ``torch.from_numpy`` of the array, so on CPU its storage *is* the array; for a
+    ``ray.get`` result that is the object store's shared memory, one copy per node whatever
+    the number of workers. (``module.to("cuda")`` later makes one device copy per worker.)
+    An entry whose dtype or shape differs from the module's is left out, for the caller to
+    copy (a copy casts; a view cannot).
+
+    Nothing may write a shared tensor: Ray maps the object store read-write in every
+    process, so a write would change every reader's weights. Frozen tensors are never
+    written (no gradient, not in the optimizer, eval mode, left out of DDP's broadcasts:
+    ``models.freeze.apply_freeze``), the frozen digest proves it every epoch, and
+    :func:`load_numpy_state` compares shared keys instead of writing them.
+
+    Returns:
+        The keys now shared, sorted.
+    """
+    current = module.state_dict(keep_vars=True)
+    views: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        # torch warns that it cannot mark a tensor read-only. Safe here: see the docstring,
+        # nothing writes these tensors and the frozen digest would show it if anything did.
+        warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
+        for key in keys:
+            view = torch.from_numpy(np.asarray(state[key]))
+            if view.dtype == current[key].dtype and view.shape == current[key].shape:
+                views[key] = view
+    # assign=True: the module takes these tensors (wrapped in Parameters where it had
+    # Parameters, requires_grad kept) instead of copying into its own
+    module.load_state_dict(views, strict=False, assign=True)
+    setattr(module, SHARED_KEYS_ATTR, getattr(module, SHARED_KEYS_ATTR, frozenset()) | set(views))
+    return sorted(views)
 
 
 def tensor_digest(tensor: torch.Tensor | np.ndarray) -> str:

@@ -27,7 +27,7 @@ from cascade_ray.models.freeze import TrainablePlan, apply_freeze, plan_trainabl
 from cascade_ray.models.losses import build_loss
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.pretrained import load_pretrained
-from cascade_ray.models.weights import load_numpy_state
+from cascade_ray.models.weights import load_numpy_state, share_numpy_state
 from cascade_ray.solver import (
     LrSchedule,
     Precision,
@@ -147,7 +147,9 @@ def setup_stage(
     stage, path = cfg.stages[index], f"stages[{index}]"
     solver = stage.solver
 
-    # the model: upstream loaded and frozen, then moved (the frozen digest is taken on `device`)
+    # the model: upstream loaded and frozen, then moved (the frozen digest is taken on `device`).
+    # On the CPU frozen upstream tensors stay views of `upstream` (no copy: .to is a no-op);
+    # on a GPU .to makes the one host-to-device copy per worker
     model, plan = build_stage_model(cfg, index, data, upstream)
     model.to(device)
 
@@ -160,7 +162,11 @@ def setup_stage(
     own = model.blocks[stage.name] if stage.name in model.blocks else model  # noqa: SIM401 - ModuleDict has no get()
     memory_format, format_why = choose_memory_format(stage, hw, precision.name, own)
     if memory_format == "channels_last":
-        own.to(memory_format=torch.channels_last)  # in place: the same Parameter objects
+        # in place: the same Parameter objects. A module stage converts only its own (trainable)
+        # module, so the frozen upstream stays shared with the object store; a joint stage
+        # converts everything, and converting a frozen 4-d conv weight makes it a private copy
+        # (a format change cannot be a view), still frozen and still in the digest
+        own.to(memory_format=torch.channels_last)
     compiled = _compile(model, stage, path, device) if stage.compile else None
 
     # the loss: which heads, how each is weighted, and the learned log-variances of
@@ -222,6 +228,10 @@ def build_stage_model(
 ) -> tuple[CascadeModel, TrainablePlan]:
     """The composed model for stage `index` with upstream weights loaded and frozen (on the CPU).
 
+    Frozen upstream parameters and buffers are views of `upstream`'s arrays, not copies
+    (``models.weights.share_numpy_state``): the caller must not write those arrays while the
+    model lives (a ``ray.get`` result is read-only shared memory).
+
     The stage's ``pretrained`` weights are mapped, checked (NaN/Inf too) and loaded into its
     module; `log` gets the notes (dtype casts, keys ``strict: false`` left out).
     """
@@ -232,21 +242,28 @@ def build_stage_model(
     if stage.pretrained is not None:
         for note in load_pretrained(model.blocks[stage.name], stage.pretrained, f"stages[{index}].pretrained"):
             log(f"note: {note}")
+    plan = plan_trainable(model, cfg, index)  # from the model's structure only: no values read
     if upstream is not None:
         own = {k for k in model.state_dict() if k.split(".")[1] == stage.name}
-        missing, unexpected = _load_upstream(model, upstream)
+        missing, unexpected = _load_upstream(model, upstream, plan.frozen_keys)
         if set(missing) != own or unexpected:
             raise RuntimeError(
                 f"upstream weights do not fit stage {stage.name!r}: missing {sorted(set(missing) - own)[:5]}, unexpected {unexpected[:5]}"
             )
-    plan = plan_trainable(model, cfg, index)
     apply_freeze(model, plan)
     return model, plan
 
 
-def _load_upstream(model: nn.Module, upstream: Mapping[str, np.ndarray]) -> tuple[list[str], list[str]]:
+def _load_upstream(
+    model: nn.Module, upstream: Mapping[str, np.ndarray], frozen_keys: tuple[str, ...]
+) -> tuple[list[str], list[str]]:
+    """Frozen upstream entries become views of `upstream`'s arrays (the object store's shared
+    memory in a Ray worker: one copy per node); upstream layers the stage trains
+    (``trainable_layers``) are copied, as the optimizer writes them."""
     keys = set(model.state_dict())
-    load_numpy_state(model, {k: v for k, v in upstream.items() if k in keys}, strict=False)
+    present = {k: v for k, v in upstream.items() if k in keys}
+    shared = set(share_numpy_state(model, present, [k for k in frozen_keys if k in present]))
+    load_numpy_state(model, {k: v for k, v in present.items() if k not in shared}, strict=False)
     missing = [k for k in keys if k not in upstream]
     return missing, [k for k in upstream if k not in keys]
 

@@ -1,0 +1,97 @@
+"""Frozen upstream weights are views of the hand-off's arrays (no copy), and behave as copies did."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from paths import CONFIGS
+
+from cascade_ray.checks import load_config
+from cascade_ray.models.freeze import frozen_digest
+from cascade_ray.models.weights import load_numpy_state, to_numpy_state
+from cascade_ray.stage.setup import build_stage_model
+
+
+@pytest.fixture(scope="module")
+def upstream(digits):
+    """Stage 0 of debug.yaml with non-trivial BatchNorm statistics, read-only as ``ray.get`` returns it."""
+    cfg = load_config(CONFIGS / "debug.yaml")
+    model, _ = build_stage_model(cfg, 0, digits, None)
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(16, 1, 8, 8), heads=["features"])
+    state = to_numpy_state(model.state_dict())
+    for array in state.values():
+        array.setflags(write=False)
+    return state
+
+
+def _open_last_layer():
+    return load_config(CONFIGS / "debug.yaml", ["stages[1].trainable_layers={features: 1}"])
+
+
+def test_frozen_upstream_tensors_are_views_and_opened_layers_are_copies(digits, upstream):
+    model, plan = build_stage_model(_open_last_layer(), 1, digits, upstream)
+    state = model.state_dict()
+    opened = {k for k in upstream if k in state and k not in plan.frozen_keys}
+    assert plan.frozen_keys and opened, "the config must freeze some upstream tensors and open others"
+    for key in plan.frozen_keys:
+        assert np.shares_memory(state[key].numpy(), upstream[key]), key
+    for key in opened:  # trained by this stage: its own copy, which the optimizer may write
+        assert not np.shares_memory(state[key].numpy(), upstream[key]), key
+    params = dict(model.named_parameters())
+    shared_params = [k for k in plan.frozen_keys if k in params]
+    assert shared_params and all(
+        isinstance(params[k], torch.nn.Parameter) and not params[k].requires_grad for k in shared_params
+    )
+    with pytest.raises(ValueError, match="read-only"):  # the hand-off's arrays refuse numpy writes
+        upstream[plan.frozen_keys[0]][...] = 0
+
+
+def test_training_on_shared_views_is_bit_identical_to_the_copy_path(digits, upstream):
+    cfg = _open_last_layer()
+    shared, plan = build_stage_model(cfg, 1, digits, upstream)
+    copied, _ = build_stage_model(cfg, 1, digits, None)  # the same seeded build, upstream copied in
+    load_numpy_state(copied, {k: v for k, v in upstream.items() if k in copied.state_dict()}, strict=False)
+    assert not any(np.shares_memory(copied.state_dict()[k].numpy(), upstream[k]) for k in plan.frozen_keys)
+    before = frozen_digest(shared, plan)
+    torch.manual_seed(1)
+    batches = [(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))) for _ in range(3)]
+    for model in (shared, copied):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+        model.train()
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, heads=["encoder"])["encoder"], y).backward()
+            opt.step()
+    a, b = to_numpy_state(shared.state_dict()), to_numpy_state(copied.state_dict())
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert frozen_digest(shared, plan) == before
+    assert any(not np.array_equal(a[k], upstream[k]) for k in a if k in upstream), "the opened layer trained"
+
+
+def test_loading_a_checkpoint_compares_shared_keys_instead_of_writing_them(digits, upstream):
+    model, plan = build_stage_model(_open_last_layer(), 1, digits, upstream)
+    checkpoint = {k: np.array(v) for k, v in to_numpy_state(model.state_dict()).items()}  # writable copies
+    load_numpy_state(model, checkpoint)  # a resume: the same frozen bytes
+    key = plan.frozen_keys[0]
+    assert np.shares_memory(model.state_dict()[key].numpy(), upstream[key])
+    checkpoint[key] = checkpoint[key] + 1
+    with pytest.raises(RuntimeError, match=key.replace(".", r"\.")):
+        load_numpy_state(model, checkpoint)
+
+
+def test_ddp_leaves_frozen_state_out_of_its_broadcasts(digits, upstream, tmp_path):
+    import torch.distributed as dist
+
+    model, plan = build_stage_model(_open_last_layer(), 1, digits, upstream)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    finally:
+        dist.destroy_process_group()
+    assert set(ddp.parameters_to_ignore) == set(plan.frozen_keys)
+    frozen = {id(t) for k, t in model.state_dict(keep_vars=True).items() if k in plan.frozen_keys}
+    assert not any(id(b) in frozen for b in ddp.modules_buffers), "a frozen buffer would be broadcast each forward"
+    assert any(True for _ in ddp.modules_buffers), "the opened layer's BatchNorm buffers are still synced"
