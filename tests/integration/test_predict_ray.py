@@ -57,7 +57,9 @@ def test_local_predictions_match_the_cascade_in_input_order(ray_s3, trained_run,
     probs = np.stack(table["probabilities"].to_numpy(zero_copy_only=False))
     assert probs.dtype == np.float32 and probs.shape == (len(digits_x), 10)
     np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-5)
-    np.testing.assert_allclose(probs, expected["probabilities"], atol=1e-6)
+    # the actor's batches (40 rows, cut at file and row-group ends) are not load_cascade's one
+    # batch: fp32 kernels then sum in another order, ~20 ulp apart at most (measured 1.2e-6 once)
+    np.testing.assert_allclose(probs, expected["probabilities"], rtol=1e-5, atol=1e-5)
     assert pa.types.is_fixed_size_list(table.schema.field("probabilities").type)
 
 
