@@ -28,11 +28,10 @@ from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.features import cache_decision
 from cascade_ray.pipeline.fit import fit_stage
-from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession
 from cascade_ray.stage.batched import batched_train_loop_per_worker
 from cascade_ray.storage import StorageDir, write_table
-from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, adopt_best, format_results
+from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
 from cascade_ray.tune.space import TuneSpace, current_values
 from cascade_ray.tune.sweep import param_space, search_algorithm, trial_config
 
@@ -133,12 +132,7 @@ class BatchedSweepRunner:
     def __call__(self, session: StageSession, index: int, upstream: Handoff | None) -> StageOutcome:
         started = time.perf_counter()
         outcome = batched_sweep(session, index, self.space, upstream)
-        session.log(format_results(outcome, self.space.metric))
-        cfg, record, handoff = adopt_best(session, index, upstream, outcome, started=started)
-        record["sweep"] = SweepRecord(
-            results=str(outcome.results_path), best=str(outcome.best_yaml), trials=len(outcome.table)
-        ).to_json()
-        return StageOutcome(record, handoff, cfg)
+        return finish_sweep(session, index, upstream, outcome, self.space.metric, started)
 
 
 def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream: Handoff | None) -> SweepOutcome:

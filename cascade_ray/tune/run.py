@@ -61,12 +61,19 @@ class SweepRunner:
         outcome = sweep_stage(
             session, self.space, self.space_file, upstream, resume=self.resume, trust_state=self.trust_state
         )
-        session.log(format_results(outcome, self.space.metric))
-        cfg, record, handoff = adopt_best(session, index, upstream, outcome, started=started)
-        record["sweep"] = SweepRecord(
-            results=str(outcome.results_path), best=str(outcome.best_yaml), trials=len(outcome.table)
-        ).to_json()
-        return StageOutcome(record, handoff, cfg)
+        return finish_sweep(session, index, upstream, outcome, self.space.metric, started)
+
+
+def finish_sweep(
+    session: StageSession, index: int, upstream: Handoff | None, outcome: SweepOutcome, metric: str, started: float
+) -> StageOutcome:
+    """Log a finished sweep's results, adopt its best trial as the stage and record where the outputs are."""
+    session.log(format_results(outcome, metric))
+    cfg, record, handoff = adopt_best(session, index, upstream, outcome, started=started)
+    record["sweep"] = SweepRecord(
+        results=str(outcome.results_path), best=str(outcome.best_yaml), trials=len(outcome.table)
+    ).to_json()
+    return StageOutcome(record, handoff, cfg)
 
 
 def sweep_stage(
