@@ -99,11 +99,11 @@ class StateDigestCallback(tune.Callback):
     def __init__(self, exp_dir: StorageDir, interval_s: float = STATE_DIGEST_INTERVAL_S):
         self.exp_uri = full_uri(exp_dir)
         self.interval_s = interval_s
-        self._last = 0.0
+        self._last: float | None = None  # never written: the first step writes (not "monotonic 0", a boot time)
 
     def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
         now = time.monotonic()
-        if now - self._last >= self.interval_s:
+        if self._last is None or now - self._last >= self.interval_s:
             self._last = now
             write_state(as_storage(self.exp_uri))
 
@@ -111,4 +111,4 @@ class StateDigestCallback(tune.Callback):
         write_state(as_storage(self.exp_uri))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"exp_uri": self.exp_uri, "interval_s": self.interval_s, "_last": 0.0}
+        return {"exp_uri": self.exp_uri, "interval_s": self.interval_s, "_last": None}
