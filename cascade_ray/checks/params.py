@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigIssue
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.freeze import apply_freeze, plan_trainable
+from cascade_ray.models.meta import meta_device
 from cascade_ray.models.plan import data_input_shape, plan_chain
 from cascade_ray.solver.groups import unmatched_group_issues
 
@@ -36,7 +35,7 @@ def param_group_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
         if not stage.solver.param_groups:
             continue
         try:
-            with torch.device("meta"):
+            with meta_device():
                 model = build_cascade(cfg, plans, 2, upto=i)
             apply_freeze(model, plan_trainable(model, cfg, i))
         except Exception:  # noqa: BLE001 - reported elsewhere (model spec, trainable_layers)

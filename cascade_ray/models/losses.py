@@ -19,6 +19,7 @@ from torch import nn
 
 from cascade_ray.config.schema import LossConfig
 from cascade_ray.config.trust import import_refusal, trust_fix
+from cascade_ray.models.meta import meta_device
 from cascade_ray.models.registry import ModelSpecError, _import_callable
 from cascade_ray.text import did_you_mean
 
@@ -71,13 +72,12 @@ def example_targets(kind: str, batch: int, width: int, device: str | torch.devic
     return torch.zeros(batch, width, dtype=torch.float32, device=device)
 
 
-def loss_issue(
-    cfg: LossConfig, kind: str, out_width: int, trusted: Sequence[str] = ()
-) -> tuple[str, str, str | None] | None:
-    """The problem with using loss `cfg` on targets of `kind`, or None: ``(key, message, fix)``.
+def loss_spec_issue(cfg: LossConfig, kind: str, trusted: Sequence[str] = ()) -> tuple[str, str, str | None] | None:
+    """The problem with loss `cfg` on targets of `kind` seen from the config alone, or None.
 
-    Keys are relative to the stage (``loss.type``, ``loss.label_smoothing``); the message
-    names ``data.target.kind`` when the two do not fit.
+    ``(key, message, fix)``, keys relative to the stage (``loss.type``,
+    ``loss.label_smoothing``); the message names ``data.target.kind`` when the two do not
+    fit. Nothing is imported or run: an untrusted ``loss.type`` is refused from its string.
     """
     cfg = cfg.model_copy(update={"type": loss_type(cfg, kind)})
     fits = BUILTIN_LOSSES.get(cfg.type)
@@ -98,9 +98,20 @@ def loss_issue(
     refusal = import_refusal(cfg.type, trusted)
     if refusal is not None:  # decided before anything is imported
         return "loss.type", refusal, trust_fix(cfg.type)
+    return None
+
+
+def loss_issue(
+    cfg: LossConfig, kind: str, out_width: int, trusted: Sequence[str] = ()
+) -> tuple[str, str, str | None] | None:
+    """:func:`loss_spec_issue`, then a ``package.module:Callable`` loss run once on meta outputs of `out_width`."""
+    problem = loss_spec_issue(cfg, kind, trusted)
+    cfg = cfg.model_copy(update={"type": loss_type(cfg, kind)})
+    if problem is not None or cfg.type in BUILTIN_LOSSES:
+        return problem
     try:
         loss = build_loss(cfg, kind, trusted=trusted)
-        with torch.device("meta"):
+        with meta_device():
             out = loss(torch.empty(2, out_width), example_targets(kind, 2, out_width))
     except Exception as exc:  # noqa: BLE001 - user losses fail in their own words
         return "loss.type", f"{cfg.type!r} fails on (B, {out_width}) outputs and {kind} targets: {exc}", None

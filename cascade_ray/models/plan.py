@@ -15,7 +15,8 @@ import torch
 from cascade_ray.config.schema import DataConfig, PipelineConfig, StageConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.models.cascade import StagePlan, build_adapter, build_head
-from cascade_ray.models.losses import loss_issue
+from cascade_ray.models.losses import loss_issue, loss_spec_issue
+from cascade_ray.models.meta import meta_device
 from cascade_ray.models.pretrained import FINITE_CHECK_MAX_BYTES, preflight_issues
 from cascade_ray.models.registry import build_module, module_in_width, tensor_width
 
@@ -63,8 +64,34 @@ def data_out_width(data: DataConfig) -> int:
     return 10 if data.source in _KNOWN_SHAPES else 2
 
 
+def model_spec_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
+    """What the chain's specs get wrong without building a module: each stage's loss against
+    the target kind (and ``trusted_modules``), and flips/crops on inputs that are not images."""
+    issues = []
+    for i, stage in enumerate(cfg.stages):
+        problem = loss_spec_issue(stage.loss, cfg.data.target.kind, cfg.trusted_modules)
+        if problem is not None:
+            key, message, fix = problem
+            issues.append(ConfigIssue(f"stages[{i}].{key}", f"stage {stage.name!r}: {message}", fix))
+    shape = data_input_shape(cfg.data)
+    if shape is not None and len(shape) != 3:
+        issues += [
+            ConfigIssue(
+                f"stages[{i}].train.augment",
+                f"flips and crops need (C, H, W) images, but the inputs are {list(shape)}",
+                "turn augment off for this data",
+            )
+            for i, s in enumerate(cfg.stages)
+            if s.train.augment.enabled
+        ]
+    return issues
+
+
 def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
-    """Every shape problem in the chain, and losses that do not fit the outputs (empty when all fit)."""
+    """Every shape problem in the chain, and user losses that fail on its outputs (empty when all fit).
+
+    Run once :func:`model_spec_issues` is clean: it builds and runs modules on the meta device.
+    """
     width = data_out_width(cfg.data)
     issues = []
     for i, stage in enumerate(cfg.stages):
@@ -75,16 +102,6 @@ def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
     shape = data_input_shape(cfg.data)
     if shape is None:
         return issues
-    if len(shape) != 3:
-        issues += [
-            ConfigIssue(
-                f"stages[{i}].train.augment",
-                f"flips and crops need (C, H, W) images, but the inputs are {list(shape)}",
-                "turn augment off for this data",
-            )
-            for i, s in enumerate(cfg.stages)
-            if s.train.augment.enabled
-        ]
     return issues + plan_chain(cfg, shape, num_classes=width, read_bytes=FINITE_CHECK_MAX_BYTES)[1]
 
 
@@ -121,7 +138,7 @@ def plan_chain(
     issues: list[ConfigIssue] = []
     shape = tuple(input_shape)
     producer = "the data"
-    with torch.device("meta"):
+    with meta_device():
         for i, stage in enumerate(cfg.stages):
             if stage.type != "module" or stage.model is None:
                 continue

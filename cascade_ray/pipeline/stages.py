@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import ray
 import ray.train
-import torch
 
 from cascade_ray import __version__
 from cascade_ray.config.metrics import checkpoint_metric, metric_mode
@@ -29,6 +28,7 @@ from cascade_ray.data.splits import DataInfo
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.cascade import build_cascade
 from cascade_ray.models.freeze import apply_freeze, plan_trainable
+from cascade_ray.models.meta import meta_device
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.pretrained import pretrained_sha256
 from cascade_ray.models.weights import NumpyState, state_digests
@@ -72,7 +72,7 @@ def stage_accounting(
 ) -> tuple[int, list[str], int]:
     """(trainable params, frozen state-dict keys, frozen params) of stage `index`, built on meta."""
     plans = require_plans(cfg, input_shape, out_width)
-    with torch.device("meta"):
+    with meta_device():
         model = build_cascade(cfg, plans, out_width, upto=index)
     plan = plan_trainable(model, cfg, index)
     apply_freeze(model, plan)
