@@ -90,13 +90,15 @@ def validate_config(
         # imported here, not at the top: they import torch, which a mistake found by the YAML
         # reader or the overrides (read_yaml, apply_overrides) never needs
         from cascade_ray.checks.semantic import semantic_issues
-        from cascade_ray.models.plan import model_spec_issues, shape_issues
+        from cascade_ray.models.plan import model_spec_issues, pretrained_issues, shape_issues
 
         issues += [i for i in semantic_issues(cfg) + model_spec_issues(cfg) if i.path not in dropped_paths]
-        # The shape preflight runs the chain on the meta device, which costs torch's compiler
-        # stack (~1.5 s) on top of torch's import: a file already refused is answered without
-        # it (a key mistake in well under the time a good file takes), and the message says
-        # the shapes are checked once the problems listed are fixed.
+        if preflight and not issues:  # modules built on meta, not run: cheap
+            issues += pretrained_issues(cfg)
+        # Running the chain on the meta device costs torch's compiler stack (~1.5 s) on top of
+        # torch's import: a file already refused is answered without it (a mistake in well under
+        # the time a good file takes), and the message says the shapes are checked once the
+        # problems listed are fixed.
         if preflight and issues:
             note = "the shapes of the chain are checked once the problems above are fixed"
         elif preflight:

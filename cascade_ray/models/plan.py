@@ -102,7 +102,26 @@ def shape_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
     shape = data_input_shape(cfg.data)
     if shape is None:
         return issues
-    return issues + plan_chain(cfg, shape, num_classes=width, read_bytes=FINITE_CHECK_MAX_BYTES)[1]
+    return issues + plan_chain(cfg, shape, num_classes=width, check_pretrained=False)[1]
+
+
+def pretrained_issues(cfg: PipelineConfig, *, read_bytes: float = FINITE_CHECK_MAX_BYTES) -> list[ConfigIssue]:
+    """Each ``pretrained`` file against its stage's module, built on meta but not run.
+
+    Keys, shapes and dtypes from the file's header, NaN/Inf in files of at most `read_bytes`.
+    A module that cannot be built is left to :func:`shape_issues` to report.
+    """
+    issues = []
+    with meta_device():
+        for i, stage in enumerate(cfg.stages):
+            if stage.type != "module" or stage.model is None or stage.pretrained is None:
+                continue
+            try:
+                module = build_module(stage.model.type, stage.model.kwargs(), cfg.trusted_modules)
+            except Exception:  # noqa: BLE001 - reported with the shapes, in the module's own words
+                continue
+            issues += preflight_issues(stage.pretrained, module, f"stages[{i}].pretrained", read_bytes=read_bytes)
+    return issues
 
 
 def require_plans(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> list[StagePlan]:
@@ -126,13 +145,19 @@ _PLANS: dict[tuple[str, tuple[int, ...], int], list[StagePlan]] = {}
 
 
 def plan_chain(
-    cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int, *, read_bytes: float = 0
+    cfg: PipelineConfig,
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    read_bytes: float = 0,
+    check_pretrained: bool = True,
 ) -> tuple[list[StagePlan], list[ConfigIssue]]:
     """Per-stage input/output shapes of the chain, computed on the meta device.
 
     Pretrained files are checked from their headers (keys, shapes, dtypes); files of at most
-    `read_bytes` are also read for NaN/Inf (validation: up to ``FINITE_CHECK_MAX_BYTES``; the
-    driver before Ray: all of them; the repeated planning of a run: none).
+    `read_bytes` are also read for NaN/Inf (the driver before Ray: all of them; the repeated
+    planning of a run: none). Validation checks them first, without running the chain
+    (:func:`pretrained_issues`), and plans with ``check_pretrained=False``.
     """
     plans: list[StagePlan] = []
     issues: list[ConfigIssue] = []
@@ -146,7 +171,7 @@ def plan_chain(
             if issue is not None:
                 issues.append(issue)
                 break  # downstream shapes are unknown once one stage does not fit
-            if stage.pretrained is not None and module is not None:
+            if check_pretrained and stage.pretrained is not None and module is not None:
                 # keys, shapes, dtypes of the file against the module; shapes downstream still hold
                 issues += preflight_issues(stage.pretrained, module, f"stages[{i}].pretrained", read_bytes=read_bytes)
             plans.append(plan)
