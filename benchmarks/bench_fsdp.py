@@ -31,6 +31,7 @@ from cascade_ray.checks import validate_config
 from cascade_ray.config.yaml_io import read_yaml
 from cascade_ray.constants import apply_ray_env_defaults
 from cascade_ray.data import load_digits
+from cascade_ray.hardware import hardware_line
 from cascade_ray.stage.loop import run_stage
 
 
@@ -69,7 +70,8 @@ def _loop(config: dict[str, Any]) -> dict[str, Any] | None:
 def _config(strategy: str, hidden: int, layers: int, steps: int) -> dict[str, Any]:
     raw = read_yaml(Path(__file__).resolve().parents[1] / "pipelines" / "configs" / "debug.yaml")
     stage = raw["stages"][0]
-    stage["model"] = {"type": "mlp", "in_features": 64, "hidden": [hidden] * layers}
+    # the images pooled to one value per sample: the input does not matter here, the trainable state does
+    stage["model"] = {"type": "mlp", "in_features": 1, "hidden": [hidden] * layers}
     stage["solver"] = {"type": "AdamW", "lr": 1e-4, "precision": "fp32"}
     stage["train"] = {"epochs": 1, "max_steps": steps, "batch_size": 32, "log_interval": 1000, "sanity_val_steps": 0}
     stage["scaling"] = {"num_workers": 2, "use_gpu": False, "strategy": strategy}
@@ -85,11 +87,13 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()}, include_dashboard=False)
     lines = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines[:30])}
+    cpu = f"{info.get('model name', platform.processor())} (family {info.get('cpu family')}, model {info.get('model')})"
+    print(hardware_line())
     print(
         f"cpu: {cpu}; capability {torch.backends.cpu.get_cpu_capability()}; torch {torch.__version__}; ray {ray.__version__}"
     )
-    params = 64 * args.hidden + (args.layers - 1) * args.hidden**2 + args.hidden * 10
+    params = args.hidden + (args.layers - 1) * args.hidden**2 + args.hidden * 10
     print(
         f"stage: mlp {args.layers} x {args.hidden} (~{params / 1e6:.1f}M trainable params, AdamW fp32), {args.steps} steps, 2 workers"
     )

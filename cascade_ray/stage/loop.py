@@ -137,6 +137,8 @@ def run_stage(
     model = setup.model
     if reporter.rank == 0:  # what precision auto and memory_format auto chose here, and why
         print(setup.precision_line(), flush=True)
+        if is_sharded(model):
+            print(f"{stage.name}: fsdp: trainable layers sharded over {reporter.world} workers", flush=True)
         if setup.compiled is not None and setup.compiled.status == "eager":
             print(f"WARNING {setup.compiled.message}", flush=True)
     digest = frozen_digest(model, setup.plan)  # the frozen weights as they must still be at every epoch's end
