@@ -376,6 +376,43 @@ def _finite_value(value: object, path: str, key: str) -> list[ConfigIssue]:
     return []
 
 
+def _fsdp_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
+    """``scaling.strategy: fsdp`` with settings that need whole (unsharded) parameters on every worker."""
+    if stage.scaling.strategy != "fsdp":
+        return []
+    key, fix = f"{path}.strategy", f"set {path}.strategy: ddp"
+    issues = []
+    if stage.scaling.sync_batchnorm:
+        issues.append(
+            ConfigIssue(
+                key,
+                "fsdp shards the trainable layers, and SyncBatchNorm is a DDP conversion that FSDP does not do",
+                f"{fix}, or set {path}.sync_batchnorm: false",
+            )
+        )
+    solver_path = path.rsplit(".", 1)[0] + ".solver"
+    if stage.solver.precision == "fp16":
+        issues.append(
+            ConfigIssue(
+                key,
+                "fp16 loss scaling is not sharded: each worker would skip overflow steps on its own shard's "
+                "gradients alone",
+                f"{fix}, or set {solver_path}.precision: bf16 (no loss scaling) or fp32",
+            )
+        )
+    if stage.loss.weighting == "uncertainty":
+        loss_path = path.rsplit(".", 1)[0] + ".loss"
+        issues.append(
+            ConfigIssue(
+                key,
+                "uncertainty weighting trains log-variances outside the model, which fsdp cannot shard "
+                "with it (its full optimizer state is keyed by the model's parameter names)",
+                f"{fix}, or set {loss_path}.weighting: static",
+            )
+        )
+    return issues
+
+
 def _scaling_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
     """Per-worker requests that are wrong on any cluster (cluster-dependent fits are checked after ray.init)."""
     sc, key = stage.scaling, f"{path}.resources_per_worker"
@@ -388,6 +425,7 @@ def _scaling_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
                 f"set {path}.sync_batchnorm: false, or {path}.use_gpu: true",
             )
         )
+    issues += _fsdp_issues(stage, path)
     res = sc.resources_per_worker
     if res is None:
         return issues

@@ -462,6 +462,14 @@ class TrainConfig(_Strict):
     early_stopping: EarlyStoppingConfig | None = Field(
         None, description="Stop early on a plateau; null trains every epoch."
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each block's activations in the backward pass instead of keeping them "
+        "(`torch.utils.checkpoint`, non-reentrant), trading compute for memory: the blocks are the "
+        "trained module's `cascade_layers()` (resnet: stem and residual blocks; transformer: embedding, "
+        "each block, final norm; mlp: each Linear block; a user module must define the method). "
+        "Losses and gradients are unchanged.",
+    )
     sanity_val_steps: int = Field(
         2,
         ge=0,
@@ -593,6 +601,15 @@ class ScalingConfig(_Strict):
         False,
         description="Convert the stage's trainable BatchNorm layers to SyncBatchNorm, so batch statistics "
         "are computed over all workers' batches (GPU stages with more than one worker; an error on CPU).",
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How the workers share the stage: `ddp` keeps a full copy of the trainable weights, "
+        "gradients and optimizer state on every worker; `fsdp` shards them across the workers (PyTorch "
+        "FSDP2 `fully_shard` on each trainable layer, the frozen upstream left whole on every worker), so "
+        "a stage bigger than one worker's memory fits. Checkpoints and the artifact hold the full, "
+        "unsharded state either way. With one worker `fsdp` runs unsharded, exactly as `ddp`. Not with "
+        "`sync_batchnorm`, `solver.precision: fp16` or `loss.weighting: uncertainty`.",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",

@@ -163,6 +163,7 @@ def plan_chain(
     issues: list[ConfigIssue] = []
     shape = tuple(input_shape)
     producer = "the data"
+    modules: dict[str, torch.nn.Module] = {}  # built stage modules (meta), for the strategy checks
     with meta_device():
         for i, stage in enumerate(cfg.stages):
             if stage.type != "module" or stage.model is None:
@@ -175,8 +176,51 @@ def plan_chain(
                 # keys, shapes, dtypes of the file against the module; shapes downstream still hold
                 issues += preflight_issues(stage.pretrained, module, f"stages[{i}].pretrained", read_bytes=read_bytes)
             plans.append(plan)
+            if module is not None:
+                modules[stage.name] = module
             shape, producer = plan.out_shape, f"stage {stage.name!r}"
-    return plans, issues
+    return plans, issues + _strategy_issues(cfg, modules)
+
+
+def _strategy_issues(cfg: PipelineConfig, modules: dict[str, torch.nn.Module]) -> list[ConfigIssue]:
+    """``train.activation_checkpointing`` needs blocks (``cascade_layers()``) in every module the stage
+    trains; ``scaling.strategy: fsdp`` on several workers needs parameters to shard."""
+    issues = []
+    for i, stage in enumerate(cfg.stages):
+        path = f"stages[{i}]"
+        trained = [stage.name] if stage.type == "module" else [n for n in stage.trainable_layers if n in modules]
+        if stage.train.activation_checkpointing:
+            for name in trained:
+                module = modules.get(name)
+                if module is not None and not callable(getattr(module, "cascade_layers", None)):
+                    issues.append(
+                        ConfigIssue(
+                            f"{path}.train.activation_checkpointing",
+                            f"stage {stage.name!r} checkpoints activations per block, but the module of stage "
+                            f"{name!r} ({type(module).__name__}) defines no cascade_layers() listing its blocks",
+                            f"set {path}.train.activation_checkpointing: false, or give the module a "
+                            "cascade_layers() method returning its blocks in forward order",
+                        )
+                    )
+        module = modules.get(stage.name)
+        if (
+            stage.scaling.strategy == "fsdp"
+            and stage.scaling.num_workers > 1
+            and stage.type == "module"
+            and module is not None
+            and not any(True for _ in module.parameters())
+            and stage.adapter is None
+            and stage.head.type == "none"
+        ):
+            issues.append(
+                ConfigIssue(
+                    f"{path}.scaling.strategy",
+                    f"stage {stage.name!r} has no trainable parameters (a parameter-free module, no adapter, "
+                    "no head): fsdp has nothing to shard",
+                    f"set {path}.scaling.strategy: ddp, or give the stage parameters to train",
+                )
+            )
+    return issues
 
 
 def _plan_stage(

@@ -151,7 +151,7 @@ def clip_gradients(params: Sequence[torch.nn.Parameter], clip: GradClipConfig) -
     if not clip.enabled:
         return None
     if clip.mode == "norm":
-        return torch.nn.utils.clip_grad_norm_(params, clip.max_norm, clip.norm_type)
+        return _whole(torch.nn.utils.clip_grad_norm_(params, clip.max_norm, clip.norm_type))
     assert clip.clip_value is not None  # validated by clip_issues
     torch.nn.utils.clip_grad_value_(params, clip.clip_value)
     return None
@@ -163,5 +163,13 @@ def grad_norm(params: Sequence[torch.nn.Parameter], norm_type: float = 2.0) -> t
     if not grads:
         return torch.zeros((), device=params[0].device if params else None)
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: one foreach kernel
-        return torch.nn.utils.get_total_norm(grads, norm_type)
+        return _whole(torch.nn.utils.get_total_norm(grads, norm_type))
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A norm over sharded (FSDP) gradients as a plain tensor: summed over the shards (a collective,
+    reached by every rank at the same step) instead of a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -34,6 +34,14 @@ from cascade_ray.stage.hooks import LoopHooks, LoopState
 from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.resume import restore_trainer_state, trainer_state
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
+from cascade_ray.stage.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    load_full_model_state,
+    load_full_optimizer_state,
+    unsharded,
+)
 
 
 class Reporter(Protocol):
@@ -116,15 +124,26 @@ def run_stage(
 
     # model, solver and loss, built exactly as lr-find builds them (cascade_ray.stage.setup)
     setup = setup_stage(
-        cfg, index, data, upstream, device, world=reporter.world, make_scaler=hooks.make_scaler, hardware=hardware
+        cfg,
+        index,
+        data,
+        upstream,
+        device,
+        world=reporter.world,
+        make_scaler=hooks.make_scaler,
+        hardware=hardware,
+        shard=reporter.world > 1,
     )
     model = setup.model
     if reporter.rank == 0:  # what precision auto and memory_format auto chose here, and why
         print(setup.precision_line(), flush=True)
+        if is_sharded(model):
+            print(f"{stage.name}: fsdp: trainable layers sharded over {reporter.world} workers", flush=True)
         if setup.compiled is not None and setup.compiled.status == "eager":
             print(f"WARNING {setup.compiled.message}", flush=True)
     digest = frozen_digest(model, setup.plan)  # the frozen weights as they must still be at every epoch's end
-    net = wrap(model) if wrap is not None else model
+    # DDP wraps the model; FSDP sharded it in place (setup_stage), so forward runs on the model itself
+    net = wrap(model) if wrap is not None and not is_sharded(model) else model
     monitor = HealthMonitor(
         stage=stage,
         index=index,
@@ -166,9 +185,16 @@ def run_stage(
     stopper = EarlyStopping(train.early_stopping)
     start_epoch, step, history = 0, 0, []
     if resume is not None:  # a restarted worker group: continue after its last checkpoint
-        load_numpy_state(model, resume["model"])
+        sharded = is_sharded(model)
+        (load_full_model_state if sharded else load_numpy_state)(model, resume["model"])
         start_epoch, step, monitor.skipped, history = restore_trainer_state(
-            resume["trainer"], setup.optimizer, setup.scheduler, setup.precision, stopper, stage.name
+            resume["trainer"],
+            setup.optimizer,
+            setup.scheduler,
+            setup.precision,
+            stopper,
+            stage.name,
+            load_optimizer=(lambda o: load_full_optimizer_state(model, setup.optimizer, o)) if sharded else None,
         )
         monitor.scheduled = setup.scheduler.steps
         if reporter.rank == 0:
@@ -244,6 +270,7 @@ def _train_epoch(
     solver, train = stage.solver, stage.train
     optimizer, scheduler, precision, params = setup.optimizer, setup.scheduler, setup.precision, setup.params
     setup.model.train()  # CascadeModel keeps its frozen modules in eval mode
+    sharded = is_sharded(net)
     monitor.start_epoch(step)
     state.epoch = epoch
     started, seen, epoch_steps = time.perf_counter(), 0, 0
@@ -254,7 +281,9 @@ def _train_epoch(
     for (x, y), window, last in accumulation_windows(batches, n_batches, solver.accumulation_steps):
         if train.augment.enabled:
             x = augment(x, train.augment)
-        # under DDP, all-reduce gradients only once per window, on its last micro-batch
+        # under DDP, all-reduce gradients only once per window, on its last micro-batch (FSDP: reduce-scatter)
+        if sharded:
+            net.set_requires_gradient_sync(last)
         with net.no_sync() if not last and isinstance(net, DistributedDataParallel) else nullcontext():
             with precision.autocast():
                 loss, terms = setup.loss(net, x, y)
@@ -356,10 +385,20 @@ def _report(
     step: int,
     skipped: int,
 ) -> None:
-    """Publish the epoch's metrics; rank 0 also checkpoints the model and everything a restart resumes from."""
+    """Publish the epoch's metrics; rank 0 also checkpoints the model and everything a restart resumes from.
+
+    Sharded (fsdp), every rank first gathers the full model and optimizer state (a collective); rank 0
+    checkpoints them, so checkpoints and the artifact are ordinary full state dicts.
+    """
+    sharded = is_sharded(setup.model)
+    if sharded:
+        model_state = full_model_state(setup.model)
+        optimizer_state = full_optimizer_state(setup.model, setup.optimizer)
     if reporter.rank != 0:
         reporter.report(metrics, None, None)
         return
+    if not sharded:
+        model_state, optimizer_state = setup.model.state_dict(), None
     resumable = trainer_state(
         setup.optimizer,
         setup.scheduler,
@@ -369,8 +408,9 @@ def _report(
         step=step,
         skipped=skipped,
         history=history,
+        optimizer_state=optimizer_state,
     )
-    reporter.report(metrics, setup.model.state_dict(), resumable)
+    reporter.report(metrics, model_state, resumable)
 
 
 def _sources(
@@ -416,7 +456,9 @@ def evaluate(
     head = setup.heads[-1]
     metrics = EvalMetrics(setup.target_kind, setup.out_width, setup.eval_loss)
     batches = source.eval_epoch(setup.stage.train.eval_batch_size, rank=reporter.rank, world=reporter.world)
-    for x, y in itertools.islice(batches, max_batches):
-        metrics.update(model(x, heads=[head])[head], y)
+    # sharded: the weights are gathered once for the split, as ranks may hold different batch counts
+    with unsharded(model) if is_sharded(model) else nullcontext():
+        for x, y in itertools.islice(batches, max_batches):
+            metrics.update(model(x, heads=[head])[head], y)
     model.train(was_training)
     return metrics.compute(reporter.all_sum, prefix)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.errors import FrozenDriftError, HealthError
@@ -46,6 +47,8 @@ class HealthMonitor:
         self.named, self.params = list(named), [p for _, p in named]
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.model, self.plan, self.rank, self.all_sum = model, plan, rank, all_sum
+        # fsdp: each rank holds shards of the parameters; sums over them are summed over the ranks
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.on = {
             rule: getattr(self.cfg, rule).policy != "off"
             for rule in (
@@ -185,12 +188,18 @@ class HealthMonitor:
         values = [norm.float(), torch.isfinite(loss_sum).all().float()]
         if self._before is not None:
             before, self._before = self._before, None
-            values.append(
-                (
-                    torch.linalg.vector_norm(_flat(self.params) - before)
-                    / torch.linalg.vector_norm(before).clamp_min(1e-30)
-                ).float()
-            )
+            if self.sharded:  # squared norms of this rank's shards, summed over the ranks
+                moved, size = self.all_sum(
+                    [float(((_flat(self.params) - before) ** 2).sum()), float((before**2).sum())]
+                )
+                values.append(torch.tensor(math.sqrt(moved) / max(math.sqrt(size), 1e-30)))
+            else:
+                values.append(
+                    (
+                        torch.linalg.vector_norm(_flat(self.params) - before)
+                        / torch.linalg.vector_norm(before).clamp_min(1e-30)
+                    ).float()
+                )
         measured = torch.stack([v.detach().float() for v in values]).tolist()  # the one sync of a measured step
         norm_value, ratio = measured[0], (measured[2] if len(measured) > 2 else math.nan)
         self.last_measured = (step, norm_value, ratio)
@@ -231,15 +240,22 @@ class HealthMonitor:
         ):  # fp16 overflows are the scaler's
             self.fire("nonfinite", step, f"the gradient norm is {norm} at optimizer step {step}", lr_key, fix)
 
+    def _any(self, grad: torch.Tensor) -> bool:
+        """Whether any element of a gradient is non-zero (sharded: on any rank; every rank calls this
+        for the same parameters, as the graph is the same on every rank)."""
+        if not self.sharded:
+            return bool(grad.any())
+        return self.all_sum([float(_local(grad).any())])[0] > 0
+
     def _check_grad_flow(self, step: int) -> None:
         if step == 1:
             none = [n for n, p in self.named if p.grad is None]
-            self.suspects = [n for n, p in self.named if p.grad is not None and not bool(p.grad.any())]
+            self.suspects = [n for n, p in self.named if p.grad is not None and not self._any(p.grad)]
             if none:  # not in the graph at all: unambiguous (and DDP would fail on it at the next step)
                 self._fire_grad_flow(step, none, "None")
             return
         by_name = dict(self.named)
-        still = [n for n in self.suspects if by_name[n].grad is None or not bool(by_name[n].grad.any())]
+        still = [n for n in self.suspects if by_name[n].grad is None or not self._any(by_name[n].grad)]
         self.suspects = []
         if still:
             self._fire_grad_flow(step, still, "all zero")
@@ -343,8 +359,12 @@ class HealthMonitor:
 
 
 def _flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """All parameters as one fp32 vector (a copy)."""
-    return torch.cat([p.detach().reshape(-1).float() for p in params])
+    """All parameters (this rank's shards of sharded ones) as one fp32 vector (a copy)."""
+    return torch.cat([_local(p.detach()).reshape(-1).float() for p in params])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _mean(values: list[float]) -> float:

@@ -8,6 +8,7 @@ the optimizer step counter, so a run can never silently continue at the wrong st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,14 +31,19 @@ def trainer_state(
     step: int,
     skipped: int,
     history: list[dict[str, float]],
+    optimizer_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The resumable state after `epochs_done` full epochs."""
+    """The resumable state after `epochs_done` full epochs.
+
+    `optimizer_state`: the full optimizer state of a sharded (fsdp) stage, keyed by parameter
+    name (:func:`cascade_ray.stage.sharding.full_optimizer_state`); default ``optimizer.state_dict()``.
+    """
     return {
         "epochs_done": epochs_done,
         "step": step,
         "skipped": skipped,
         "history": [dict(m) for m in history],
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state if optimizer_state is not None else optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
         "stopper": {"best": stopper.best, "bad_epochs": stopper.bad_epochs},
@@ -53,9 +59,13 @@ def restore_trainer_state(
     precision: Precision,
     stopper: EarlyStopping,
     stage: str,
+    load_optimizer: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[int, int, int, list[dict[str, float]]]:
-    """Load :func:`trainer_state` into the solver pieces; return (start epoch, step, skipped, history)."""
-    optimizer.load_state_dict(state["optimizer"])
+    """Load :func:`trainer_state` into the solver pieces; return (start epoch, step, skipped, history).
+
+    `load_optimizer` loads the optimizer state instead of ``optimizer.load_state_dict`` (a sharded stage).
+    """
+    (load_optimizer or optimizer.load_state_dict)(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if precision.scaler is not None and state["scaler"] is not None:
         precision.scaler.load_state_dict(state["scaler"])

@@ -23,6 +23,7 @@ from cascade_ray.data import DataSplits
 from cascade_ray.data.splits import DataInfo
 from cascade_ray.hardware import Hardware, detect_hardware
 from cascade_ray.models.cascade import CascadeModel, build_cascade, module_stage_names
+from cascade_ray.models.checkpointing import checkpoint_blocks
 from cascade_ray.models.freeze import TrainablePlan, apply_freeze, plan_trainable
 from cascade_ray.models.losses import build_loss
 from cascade_ray.models.plan import require_plans
@@ -39,6 +40,7 @@ from cascade_ray.solver import (
 )
 from cascade_ray.solver.precision import CompileState, choose_memory_format, compile_stage
 from cascade_ray.solver.step import ScalerFactory
+from cascade_ray.stage.sharding import shard_trainable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +130,7 @@ def setup_stage(
     world: int = 1,
     make_scaler: ScalerFactory | None = None,
     hardware: Hardware | None = None,
+    shard: bool = False,
 ) -> StageSetup:
     """Build stage `index`'s model, solver and loss for a run on `world` ranks.
 
@@ -140,6 +143,8 @@ def setup_stage(
         world: ranks the stage runs on (the lr plan's length depends on it).
         make_scaler: replaces the CUDA GradScaler under fp16 (``LoopHooks.make_scaler``).
         hardware: what `device` runs natively; default detected (tests inject a capability).
+        shard: a worker of a distributed run (process group up): with ``scaling.strategy: fsdp``
+            and `world` > 1 the trainable layers are sharded (:mod:`cascade_ray.stage.sharding`).
 
     Raises:
         ConfigError: the precision does not fit `device`.
@@ -167,7 +172,13 @@ def setup_stage(
         # converts everything, and converting a frozen 4-d conv weight makes it a private copy
         # (a format change cannot be a view), still frozen and still in the digest
         own.to(memory_format=torch.channels_last)
+    if stage.train.activation_checkpointing:
+        for block in _trained_blocks(model, cfg, index):
+            checkpoint_blocks(block)
     compiled = _compile(model, stage, path, device) if stage.compile else None
+    sharded = stage.scaling.strategy == "fsdp" and world > 1 and shard
+    if sharded:  # after every in-place change, before the optimizer: the trainable Parameters become DTensors
+        shard_trainable(model, plan, device, world)
 
     # the loss: which heads, how each is weighted, and the learned log-variances of
     # uncertainty weighting (trained with the model, so they join its parameter list)
@@ -206,6 +217,15 @@ def setup_stage(
         target_kind=data.target_kind,
         out_width=data.out_width,
     )
+
+
+def _trained_blocks(model: CascadeModel, cfg: PipelineConfig, index: int) -> list[nn.Module]:
+    """The stage modules whose blocks ``train.activation_checkpointing`` checkpoints: a module stage's
+    own; a joint stage's, every module with a trainable parameter."""
+    stage = cfg.stages[index]
+    if stage.name in model.blocks:
+        return [model.blocks[stage.name]]
+    return [m for m in model.blocks.values() if any(p.requires_grad for p in m.parameters())]
 
 
 def _compile(model: CascadeModel, stage: StageConfig, path: str, device: torch.device) -> CompileState:

@@ -144,7 +144,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     )  # cached upstream outputs
     clock.mark("inputs")
     reporter = RayReporter(device)
-    wrap = _ddp_wrapper(cfg.stages[index], device) if reporter.world > 1 else None
+    # fsdp shards inside setup_stage (the optimizer must see the sharded parameters): no wrapper here
+    ddp = reporter.world > 1 and cfg.stages[index].scaling.strategy == "ddp"
+    wrap = _ddp_wrapper(cfg.stages[index], device) if ddp else None
     hooks = LoopHooks(
         after_optimizer_step=FaultInjection(loop_config.get("fault_once", ""), cfg.stages[index].name, reporter.rank)
     )

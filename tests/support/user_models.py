@@ -94,3 +94,23 @@ def fault_probe(in_features: int, width: int, kill_flag: str, pause_flag: str, s
     Each flag is removed when it fires: a restarted worker runs through. Without flags it is a
     plain linear layer, so the same config trains the reference run."""
     return _FaultProbe(in_features, width, kill_flag, pause_flag, step)
+
+
+class _BlockCNN(nn.Module):
+    """A user CNN that lists its blocks (``cascade_layers``), with BatchNorm and dropout inside them."""
+
+    def __init__(self, in_channels: int, width: int):
+        super().__init__()
+        self.first = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())
+        self.second = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.Dropout(0.3), nn.ReLU())
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+    def cascade_layers(self):
+        return [self.first, self.second]
+
+
+def block_cnn(in_channels: int = 1, width: int = 8) -> nn.Module:
+    """(B, C, H, W) -> (B, width, H, W) in two listed blocks."""
+    return _BlockCNN(in_channels, width)
