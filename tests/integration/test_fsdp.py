@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 BASE = ["stages.features.train.epochs=1"]  # the frozen upstream: one epoch is enough
 FSDP = ["stages.encoder.scaling.strategy=fsdp", "stages.encoder.train.activation_checkpointing=true"]
-# 2 epochs x 18 steps on 2 workers: step 20 is in epoch 2, so the restart redoes epoch 2
-KILL_STEP = 20
+# 2 epochs x 18 steps on 2 workers: step 30 is late in epoch 2, so the restart redoes epoch 2 (killed 2 steps
+# into it, under load the worker died before Ray Train had registered epoch 1's checkpoint: no resume)
+KILL_STEP = 30
 
 
 def _run(storage, overrides, resume):

@@ -1,6 +1,7 @@
 """Pipelines on streamed data (``data.streaming: true``): Parquet read through Ray Data by every
-stage's workers, locally and from the S3 fixture's bucket; the scan's errors before Ray; the CPU
-rule for Ray Data's read tasks; streamed and in-memory training on the same rows."""
+stage's workers from the S3 fixture's bucket, the run (artifacts, streamed feature cache) stored
+there too (local Parquet streams in test_streaming and test_streaming_ddp); the scan's errors
+before Ray; the CPU rule for Ray Data's read tasks."""
 
 from __future__ import annotations
 
@@ -74,34 +75,48 @@ def local_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_run(s3, ray_session, local_data, tmp_path_factory):
-    """(s3 first: the module's Ray must start with the bucket's endpoint and keys in its env)"""
+def bucket(s3, local_data):
+    """The same Parquet files in the bucket, and the run's storage there: (train, test, storage) URIs."""
     root, _, _ = local_data
+    prefix = f"stream-{uuid.uuid4().hex[:8]}"
+    for path in [*sorted((root / "train").glob("*.parquet")), root / "test.parquet"]:
+        key = path.relative_to(root).as_posix()
+        as_storage(s3.uri(prefix, "data", key)).write_bytes(path.read_bytes())
+    return s3.uri(prefix, "data", "train"), s3.uri(prefix, "data", "test.parquet"), s3.uri(prefix, "runs")
+
+
+@pytest.fixture(scope="module")
+def local_run(s3, ray_session, bucket, tmp_path_factory):
+    """(s3 first: the module's Ray must start with the bucket's endpoint and keys in its env)"""
     tmp = tmp_path_factory.mktemp("run")
-    cfg = _config(tmp, str(root / "train"), str(root / "test.parquet"), str(tmp / "runs"))
+    cfg = _config(tmp, *bucket)
     lines: list[str] = []
     return run_pipeline(cfg, RunOptions(), log=lines.append), lines
 
 
-def test_a_streamed_pipeline_trains_every_stage_from_local_parquet(local_run, local_data):
+def test_a_streamed_pipeline_trains_every_stage_from_parquet_in_a_bucket(local_run, local_data, bucket, s3):
     summary, lines = local_run
     _, x, _ = local_data
+    assert summary["storage"] == f"{bucket[2]}/streamed"
     assert [s["status"] for s in summary["stages"]] == ["trained", "trained"]
     assert summary["test_accuracy"] > 0.7, summary["test_metrics"]  # 3 streamed epochs on digits; chance is 0.1
     assert set(summary["test_metrics"]) == {"loss", "accuracy", "top5_accuracy"}
+    on_disk = json.loads(as_storage(f"{summary['storage']}/summary.json", "summary").read_text())
+    assert on_disk["test_metrics"]["accuracy"] == summary["test_accuracy"]
     # the validation rows are the content-hash share, exactly as the scan counted them
     val = int(is_val_row(x, 0.2, 0).sum())
     assert any(f"train {len(x) - val}, val {val} (content-hash split)" in line for line in lines), lines[:5]
-    # the classifier trains on its frozen upstream's outputs, computed by Ray Data into shards
+    # the classifier trains on its frozen upstream's outputs, computed by Ray Data into shards in the bucket
     cache = summary["stages"][1]["feature_cache"]
     assert cache["status"] == "computed" and cache["shape"][0] == 16 and len(cache["shape"]) == 3, cache
-    folder = Path(cache["path"])
+    folder = as_storage(cache["path"])
+    assert folder.uri.startswith("s3://"), cache["path"]
     meta = json.loads((folder / "_cache.json").read_text())
     assert meta["rows"] == {"train": len(x) - val, "val": val} and meta["shape"] == cache["shape"]
     assert list((folder / "train").glob("*.parquet")) and list((folder / "val").glob("*.parquet"))
     assert not any("INFO logging_progress" in line for line in lines)
     for record in summary["stages"]:
-        spec = read_manifest(Path(record["artifact"]) / "manifest.json").data_spec
+        spec = read_manifest(as_storage(record["artifact"]) / "manifest.json").data_spec
         assert spec["streamed"] and spec["input_shape"] == [1, 8, 8] and spec["num_classes"] == 10
         train_rows = x[~is_val_row(x, 0.2, 0)].astype(np.float64)
         assert spec["stats_shape"] == [1, 1, 1]  # one channel
@@ -111,13 +126,9 @@ def test_a_streamed_pipeline_trains_every_stage_from_local_parquet(local_run, lo
         assert all(np.isfinite(e["val_loss"]) for e in history)
 
 
-def test_a_changed_downstream_stage_reads_the_stored_streamed_cache(local_run, local_data, tmp_path):
+def test_a_changed_downstream_stage_reads_the_stored_streamed_cache(local_run, bucket, tmp_path):
     summary, _ = local_run
-    root, _, _ = local_data
-    storage = str(Path(summary["storage"]).parent)
-    cfg = _config(
-        tmp_path, str(root / "train"), str(root / "test.parquet"), storage, "stages.classifier.solver.lr=5e-3"
-    )
+    cfg = _config(tmp_path, *bucket, "stages.classifier.solver.lr=5e-3")
     lines: list[str] = []
     again = run_pipeline(cfg, RunOptions(resume=True), log=lines.append)
     assert [s["status"] for s in again["stages"]] == ["reused", "trained"]
@@ -137,13 +148,13 @@ space:
 """
 
 
-def test_a_sweep_of_a_stage_streams_the_cached_features_in_every_trial(local_run, local_data, tmp_path, capsys):
+def test_a_sweep_of_a_stage_streams_the_cached_features_in_every_trial(local_run, bucket, tmp_path, capsys):
     """On the module run's storage with --resume: its features stage is reused (no second streamed
     training of it) and both trials read the streamed cache the run computed."""
     summary, _ = local_run
-    root, _, _ = local_data
-    runs = Path(summary["storage"]).parent
-    features = runs / "streamed" / "stages" / "features" / "manifest.json"
+    train, test, storage = bucket
+    run = as_storage(summary["storage"])
+    features = run / "stages" / "features" / "manifest.json"
     before = features.read_bytes()
     (tmp_path / "streamed.yaml").write_text(yaml.safe_dump(CONFIG))
     (tmp_path / "space.yaml").write_text(SPACE)
@@ -152,42 +163,21 @@ def test_a_sweep_of_a_stage_streams_the_cached_features_in_every_trial(local_run
         str(tmp_path / "streamed.yaml"),
         "--space",
         str(tmp_path / "space.yaml"),
-        f"data.path={root / 'train'}",
-        f"data.test_path={root / 'test.parquet'}",
-        f"storage_path={runs}",
+        f"data.path={train}",
+        f"data.test_path={test}",
+        f"storage_path={storage}",
         "--resume",
         "--log-level",
         "warning",
     ]
     assert cli.main(args) == 0, capsys.readouterr().err[-3000:]
     assert features.read_bytes() == before  # reused, not trained again
-    exp = runs / "streamed" / "tune" / "classifier"
+    exp = run / "tune" / "classifier"
     assert (exp / "best.yaml").is_file() and (exp / "results.parquet").is_file()
     trials = sorted(p.name for p in (exp / "trials").glob("trial-*"))
     assert len(trials) == 2
     # both trials read the same streamed cache shards (no in-memory copy of the data exists)
-    assert len(list((runs / "streamed" / "cache" / "classifier").glob("*/_cache.json"))) == 1
-
-
-def test_a_streamed_pipeline_reads_its_parquet_from_s3(s3, ray_session, local_data, tmp_path):
-    prefix = f"stream-{uuid.uuid4().hex[:8]}"
-    x, y = _digits()
-    write_parquet(s3.uri(prefix, "data", "train", "part-0.parquet"), x[:1500], y[:1500])
-    write_parquet(s3.uri(prefix, "data", "test.parquet"), x[1500:], y[1500:])
-    cfg = _config(
-        tmp_path,
-        s3.uri(prefix, "data", "train"),
-        s3.uri(prefix, "data", "test.parquet"),
-        s3.uri(prefix, "runs"),
-        "stages.features.train.epochs=1",
-    )
-    summary = run_pipeline(cfg, RunOptions(), log=lambda _: None)
-    assert summary["storage"] == s3.uri(prefix, "runs", "streamed")
-    assert summary["test_accuracy"] > 0.5, summary["test_metrics"]
-    keys = set(s3.keys(f"{prefix}/runs/streamed"))
-    assert f"{prefix}/runs/streamed/stages/classifier/manifest.json" in keys
-    on_disk = json.loads(as_storage(s3.uri(prefix, "runs", "streamed", "summary.json"), "summary").read_text())
-    assert on_disk["test_metrics"]["accuracy"] == summary["test_accuracy"]
+    assert [(p / "_cache.json").is_file() for p in (run / "cache" / "classifier").iterdir()] == [True]
 
 
 def test_a_bad_row_is_a_data_error_naming_the_file_and_row_group_before_ray(local_data, tmp_path):
