@@ -15,6 +15,7 @@ stops, a stage without cached features) is refused before Ray starts.
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass
@@ -50,9 +51,12 @@ WHY_SHARED = {  # first key part -> why the replicas must share it
 REPLICAS_FILE = "replicas.json"
 
 
-def batch_issues(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> list[ConfigIssue]:
-    """Why `space` cannot run batched on `cfg` (empty: it can); each fix names the plain sweep."""
-    plain = f"run it as Tune trials: cascade-ray tune CONFIG --space {space_file}" + (
+def batch_issues(
+    cfg: PipelineConfig, space: TuneSpace, space_file: str, config_arg: str = "CONFIG"
+) -> list[ConfigIssue]:
+    """Why `space` cannot run batched on `cfg` (empty: it can); each fix names the plain sweep,
+    as a command with `config_arg` (the config and overrides the user passed) in it."""
+    plain = f"run it as Tune trials: cascade-ray tune {config_arg} --space {shlex.quote(space_file)}" + (
         " (set batched: false in the space file)" if space.batched else " (without --batched)"
     )
     issues = []
@@ -96,9 +100,9 @@ def batch_issues(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> list
     return issues
 
 
-def check_batchable(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> None:
+def check_batchable(cfg: PipelineConfig, space: TuneSpace, space_file: str, config_arg: str = "CONFIG") -> None:
     """Raise the :func:`batch_issues` of `space` as one ConfigError (before Ray starts)."""
-    issues = batch_issues(cfg, space, space_file)
+    issues = batch_issues(cfg, space, space_file, config_arg)
     if issues:
         raise ConfigError(issues, f"{space_file} (batched sweep)")
 

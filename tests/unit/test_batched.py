@@ -3,6 +3,8 @@ report carries the best replica's best epoch."""
 
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 import pytest
 import torch
@@ -138,7 +140,9 @@ def test_an_unbatchable_sweep_exits_2_before_ray_naming_the_key(
     assert cli_main(["tune", str(CONFIGS / "debug.yaml"), "--space", str(space), "--batched", *overrides]) == 2
     err = capsys.readouterr().err
     assert f"- {key}:" in err and reason in err, err
-    assert f"cascade-ray tune CONFIG --space {space} (without --batched)" in err, err
+    # the suggested plain sweep is the user's own command without --batched: it runs as printed
+    again = shlex.join([str(CONFIGS / "debug.yaml"), *overrides])
+    assert f"cascade-ray tune {again} --space {space} (without --batched)" in err, err
 
 
 def test_batched_in_the_space_file_is_checked_as_the_flag(tmp_path, inputs):
@@ -178,3 +182,14 @@ def test_the_configs_are_the_plain_sweeps_trials(inputs):
         {"stage": "classifier", "num_samples": 2, "search": "grid", "space": {"loss.scale": {"grid": [0.5, 1.0]}}}
     )
     assert [v["loss.scale"] for v in sample_values(cfg, grid)] == [0.5, 1.0, 0.5, 1.0]
+
+
+def test_the_refusal_names_a_shipped_config_as_the_user_did(tmp_path, monkeypatch, capsys):
+    import ray
+
+    from cascade_ray.cli import main as cli_main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started for a refused batched sweep"))
+    space = _space(tmp_path, "space: {solver.lr: {loguniform: [1e-3, 1e-2]}}")  # asha: refused
+    assert cli_main(["tune", "debug", "--space", str(space), "--batched", "seed=3"]) == 2
+    assert f"cascade-ray tune debug seed=3 --space {space} (without --batched)" in capsys.readouterr().err
