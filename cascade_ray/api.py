@@ -98,7 +98,7 @@ def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRu
                 [ConfigIssue("stage", f"the space sweeps stage {space.stage!r}, asked for stage {stage!r}")], str(path)
             )
         if options.batched or space.batched:  # K configs in one TorchTrainer job, if the space allows it
-            check_batchable(cfg, space, str(path))
+            check_batchable(cfg, space, str(path), options.config_arg)
             runners[stage] = BatchedSweepRunner(space, str(path))
             continue
         runners[stage] = SweepRunner(space, str(path), resume=options.resume, trust_state=options.trust_tune_state)

@@ -14,6 +14,7 @@ cascade-ray predict s3://bucket/runs/debug --data s3://bucket/new/ --out s3://bu
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -384,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in _NO_CONFIG:
             return _run_tool(args)
+        config_arg = shlex.join(
+            [args.config, *getattr(args, "overrides", [])]
+        )  # as typed, for the commands errors suggest
         args.config = resolve_config(args.config)  # a file path wins over a shipped name
         cfg = load_config(args.config, args.overrides, trust=args.trust)
         if args.command == "validate":
@@ -443,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break_lock=args.break_lock,
                 trust_tune_state=args.trust_tune_state,
                 batched=args.batched,
+                config_arg=config_arg,
             )
         else:
             options = run_options(args, cfg)

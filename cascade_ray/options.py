@@ -41,6 +41,9 @@ class RunOptions:
     """Restore sweeps without checking their Tune state's sha256 sidecar (``--trust-tune-state``)."""
     batched: bool = False
     """Run every sweep in ``spaces`` batched: one TorchTrainer job for all its configs (``--batched``)."""
+    config_arg: str = "CONFIG"
+    """The config as the user named it on the command line, with its overrides (``debug
+    stages.classifier.train.epochs=3``): the commands an error suggests repeat it, so they run as printed."""
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:

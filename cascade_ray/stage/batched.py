@@ -10,11 +10,23 @@ loop's cost is K small steps, and what the sweep saves is K-1 TorchTrainer start
 
 Each replica keeps its own torch RNG state (swapped in around its work), so dropout draws the
 same numbers as in a lone run seeded by :func:`~cascade_ray.stage.setup.stage_seed`.
+
+Under DDP (``scaling.num_workers`` > 1) each replica's model has its own DDP wrapper, which
+all-reduces that replica's gradients on the last micro-batch of every accumulation window, as
+the lone loop's does; every rank steps the replicas in the same order, so the collectives match.
+
+Each replica has its own :class:`~cascade_ray.stage.monitor.HealthMonitor`, run at the lone
+loop's points (per optimizer step, per epoch: non-finite loss, frozen drift of the shared
+upstream against the digest taken before training, ...). A rule with policy ``error`` fails
+that replica only, as Tune marks one trial ERROR: it stops training, keeps its error, cannot
+be picked as best, and the others go on. The verdicts that decide it are all-reduced (the
+non-finite check) or computed from all-reduced gradients, so every rank fails the same replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -31,10 +43,12 @@ from cascade_ray.config.metrics import checkpoint_metric, metric_mode
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows
-from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue, FrozenDriftError, HealthError
+from cascade_ray.models.freeze import frozen_digest
 from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.solver import EarlyStopping, clip_gradients
 from cascade_ray.stage.loop import Reporter
+from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 
 
@@ -48,12 +62,19 @@ class Replica:
     rng: torch.Tensor  # this replica's CPU generator state between its turns
     cuda_rng: torch.Tensor | None  # and its CUDA generator's, on a GPU worker
     stopper: EarlyStopping
+    monitor: HealthMonitor
+    digest: dict[str, str]  # the frozen upstream's digest before training (checked every epoch)
     history: list[dict[str, float]] = field(default_factory=list)
     step: int = 0
     done: bool = False
     best_score: float | None = None  # by the stage's checkpoint metric (train.metric)
     best_epoch: int = 0
     best_own: dict[str, torch.Tensor] | None = None  # the stage's own tensors at best_score
+    error: str | None = None  # the health rule that failed this replica (then done, never the best)
+
+    def fail(self, exc: CascadeError) -> None:
+        """Stop this replica for good: a health rule with policy ``error`` fired."""
+        self.error, self.done = str(exc), True
 
     @contextmanager
     def turn(self) -> Iterator[None]:
@@ -76,6 +97,7 @@ class BatchedOutcome:
     """What rank 0 returns: every replica's epoch history, and which one won."""
 
     histories: list[list[dict[str, float]]]
+    errors: list[str | None]  # per replica: the health error that failed it, None if it trained through
     best: int
     best_epoch: int
     world_size: int
@@ -104,13 +126,26 @@ def run_batched(
     replicas = train_replicas(
         cfgs, index, data, upstream, features, reporter, device, metric=metric, mode=mode, wrap=wrap
     )
+    ok = [k for k, r in enumerate(replicas) if r.error is None and r.history]
+    if not ok:
+        raise HealthError(
+            "batched",
+            cfgs[0].stages[index].name,
+            max(r.step for r in replicas),
+            "every replica of the batched sweep failed: "
+            + "; ".join(f"replica {k}: {r.error}" for k, r in enumerate(replicas)),
+            f"stages[{index}].solver",
+            "narrow the space to values that train (see each replica's error), or run the plain sweep",
+        )
     sign = 1 if mode == "max" else -1
-    best = max(range(len(replicas)), key=lambda k: (max(sign * h[metric] for h in replicas[k].history), -k))
+    best = max(ok, key=lambda k: (max(sign * h[metric] for h in replicas[k].history), -k))
     winner = replicas[best]
     state = winner.setup.model.state_dict() | (winner.best_own or {})
     metrics = dict(winner.history[winner.best_epoch - 1]) | {"replica": best}
     reporter.report(metrics, state if reporter.rank == 0 else None)
-    return BatchedOutcome([r.history for r in replicas], best, winner.best_epoch, reporter.world)
+    return BatchedOutcome(
+        [r.history for r in replicas], [r.error for r in replicas], best, winner.best_epoch, reporter.world
+    )
 
 
 def train_replicas(
@@ -145,14 +180,29 @@ def train_replicas(
     val_src = ArraySource(features["x_val"], data.y_val, 0.0, 1.0, device)
     ckpt_metric = checkpoint_metric(cfgs[0], base)
     better = (lambda a, b: a > b) if metric_mode(ckpt_metric) == "max" else (lambda a, b: a < b)
+    if base.train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
+        _evaluate(replicas, val_src, reporter, prefix="sanity_", max_batches=base.train.sanity_val_steps)
     for epoch in range(base.train.epochs):
         live = [r for r in replicas if not r.done]
         if not live:
             break
         seen, sums, train_s = _train_epoch(live, train_src, reporter, seed=stage_seed(cfgs[0], index), epoch=epoch)
         totals = reporter.all_sum([float(seen), *sums])  # one collective for every replica
-        val = _evaluate(live, val_src, reporter)
-        for k, r in enumerate(live):
+        for r, loss_sum in zip(live, sums):
+            if r.error is None:  # as the lone loop's epoch end: the non-finite flush, the frozen digest
+                _guarded(
+                    r, lambda r=r, loss_sum=loss_sum: r.monitor.end_epoch(r.step, torch.tensor([loss_sum]), r.digest)
+                )
+        failed = [(k, r) for k, r in enumerate(live) if r.error is not None]
+        for _, r in failed:
+            if reporter.rank == 0:
+                print(f"WARNING [{base.name}] batched replica {replicas.index(r)} failed: {r.error}", flush=True)
+        kept = [(k, r) for k, r in enumerate(live) if r.error is None]
+        if not kept:
+            continue
+        val = dict(zip((k for k, _ in kept), _evaluate([r for _, r in kept], val_src, reporter)))
+        live = [r for _, r in kept]
+        for k, r in kept:
             metrics = {
                 "epoch": epoch + 1,
                 "step": r.step,
@@ -160,6 +210,7 @@ def train_replicas(
                 "lr": r.setup.scheduler.get_last_lr()[0],
                 "samples_per_s": totals[0] * len(live) / train_s,
                 **val[k],
+                **r.monitor.epoch_metrics(),
             }
             r.history.append(metrics)
             score = metrics[ckpt_metric]
@@ -185,8 +236,30 @@ def _replica(cfg, index, data, upstream, reporter, device, wrap) -> Replica:
     setup = setup_stage(cfg, index, data, upstream, device, world=reporter.world)  # seeds torch as a lone stage
     rng = torch.get_rng_state()  # the lone stage's generators right after its setup
     setup.model.input_stage = setup.stage.name  # forward starts at the stage's own adapter/module
+    digest = frozen_digest(setup.model, setup.plan)  # as the lone loop: before the wrap, before training
     net = wrap(setup.model) if wrap is not None else setup.model
-    return Replica(cfg, setup, net, rng, _cuda_rng(device), EarlyStopping(setup.stage.train.early_stopping))
+    monitor = HealthMonitor(
+        stage=setup.stage,
+        index=index,
+        named=setup.named_params,
+        optimizer=setup.optimizer,
+        scheduler=setup.scheduler,
+        precision=setup.precision,
+        model=setup.model,
+        plan=setup.plan,
+        rank=reporter.rank,
+        all_sum=reporter.all_sum,
+    )
+    stopper = EarlyStopping(setup.stage.train.early_stopping)
+    return Replica(cfg, setup, net, rng, _cuda_rng(device), stopper, monitor, digest)
+
+
+def _guarded(replica: Replica, check: Callable[[], None]) -> None:
+    """Run one of `replica`'s health checks; a rule with policy ``error`` fails that replica only."""
+    try:
+        check()
+    except (HealthError, FrozenDriftError) as exc:
+        replica.fail(exc)
 
 
 def _cuda_rng(device: torch.device) -> torch.Tensor | None:
@@ -201,6 +274,7 @@ def _train_epoch(
     train, solver = live[0].setup.stage.train, live[0].setup.stage.solver
     for r in live:
         r.setup.model.train()
+        _guarded(r, lambda r=r: r.monitor.start_epoch(r.step))
     sums = {id(r): torch.zeros(1, device=source.device) for r in live}
     started, seen = time.perf_counter(), 0
     batches = source.train_epoch(train.batch_size, rank=reporter.rank, world=reporter.world, seed=seed, epoch=epoch)
@@ -208,6 +282,8 @@ def _train_epoch(
     for (x, y), window, last in accumulation_windows(batches, n_batches, solver.accumulation_steps):
         seen += len(y)
         for r in live:
+            if r.error is not None:  # failed by a health rule this epoch: it steps no more
+                continue
             s = r.setup
             with r.turn():
                 sync = not last and isinstance(r.net, DistributedDataParallel)
@@ -216,28 +292,35 @@ def _train_epoch(
                         loss, _ = s.loss(r.net, x, y)
                     s.precision.backward(loss / window)
                 sums[id(r)] += loss.detach().float() * len(y)
-                if last:  # the lone loop's optimizer step, without its health monitor
+                if last:  # the lone loop's optimizer step, with its health checks around it
                     s.precision.unscale(s.optimizer)
-                    clip_gradients(s.params, s.stage.solver.grad_clip)
-                    if not s.precision.step(s.optimizer):
+                    clip_norm = clip_gradients(s.params, s.stage.solver.grad_clip)
+                    _guarded(r, lambda r=r, clip_norm=clip_norm: r.monitor.before_step(r.step + 1, clip_norm))
+                    if r.error is not None:
+                        continue
+                    skipped = s.precision.step(s.optimizer)
+                    if not skipped:
                         s.scheduler.step()
                     s.optimizer.zero_grad(set_to_none=True)
                     r.step += 1
+                    _guarded(r, lambda r=r, skipped=skipped: r.monitor.after_step(r.step, skipped, sums[id(r)]))
     return seen, [sums[id(r)].item() for r in live], time.perf_counter() - started
 
 
 @torch.no_grad()
-def _evaluate(live: list[Replica], source: ArraySource, reporter: Reporter) -> list[dict[str, float]]:
-    """The val metrics of every live replica, each val batch read once."""
+def _evaluate(
+    live: list[Replica], source: ArraySource, reporter: Reporter, prefix: str = "val_", max_batches: int | None = None
+) -> list[dict[str, float]]:
+    """The val metrics of every live replica (over the first `max_batches` batches), each val batch read once."""
     metrics = [EvalMetrics(r.setup.target_kind, r.setup.out_width, r.setup.eval_loss) for r in live]
     for r in live:
         r.setup.model.eval()
     eval_bs = live[0].setup.stage.train.eval_batch_size
-    for x, y in source.eval_epoch(eval_bs, rank=reporter.rank, world=reporter.world):
+    for x, y in itertools.islice(source.eval_epoch(eval_bs, rank=reporter.rank, world=reporter.world), max_batches):
         for r, m in zip(live, metrics):
             head = r.setup.heads[-1]
             m.update(r.setup.model(x, heads=[head])[head], y)
-    return [m.compute(reporter.all_sum, "val_") for m in metrics]
+    return [m.compute(reporter.all_sum, prefix) for m in metrics]
 
 
 def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:

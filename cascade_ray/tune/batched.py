@@ -15,6 +15,7 @@ stops, a stage without cached features) is refused before Ray starts.
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass
@@ -50,9 +51,12 @@ WHY_SHARED = {  # first key part -> why the replicas must share it
 REPLICAS_FILE = "replicas.json"
 
 
-def batch_issues(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> list[ConfigIssue]:
-    """Why `space` cannot run batched on `cfg` (empty: it can); each fix names the plain sweep."""
-    plain = f"run it as Tune trials: cascade-ray tune CONFIG --space {space_file}" + (
+def batch_issues(
+    cfg: PipelineConfig, space: TuneSpace, space_file: str, config_arg: str = "CONFIG"
+) -> list[ConfigIssue]:
+    """Why `space` cannot run batched on `cfg` (empty: it can); each fix names the plain sweep,
+    as a command with `config_arg` (the config and overrides the user passed) in it."""
+    plain = f"run it as Tune trials: cascade-ray tune {config_arg} --space {shlex.quote(space_file)}" + (
         " (set batched: false in the space file)" if space.batched else " (without --batched)"
     )
     issues = []
@@ -96,9 +100,9 @@ def batch_issues(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> list
     return issues
 
 
-def check_batchable(cfg: PipelineConfig, space: TuneSpace, space_file: str) -> None:
+def check_batchable(cfg: PipelineConfig, space: TuneSpace, space_file: str, config_arg: str = "CONFIG") -> None:
     """Raise the :func:`batch_issues` of `space` as one ConfigError (before Ray starts)."""
-    issues = batch_issues(cfg, space, space_file)
+    issues = batch_issues(cfg, space, space_file, config_arg)
     if issues:
         raise ConfigError(issues, f"{space_file} (batched sweep)")
 
@@ -165,16 +169,15 @@ def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream:
         train_loop=batched_train_loop_per_worker,
         loop_extra={"replicas": replicas, "select": {"metric": space.metric, "mode": space.mode}},
     )
-    histories, best = result.return_value["histories"], result.return_value["best"]
+    histories, errors, best = (result.return_value[k] for k in ("histories", "errors", "best"))
+    rows = replica_rows(run.name, values, histories, errors, space.metric, space.mode)
+    for k, (v, error) in enumerate(zip(values, errors)):
+        if error is not None:  # as Tune marks one trial ERROR and keeps the others
+            shown = ", ".join(f"{key}={value!r}" for key, value in v.items())
+            session.log(f"WARNING batched replica {k} ({shown}) failed and is not a candidate for best: {error}")
     sign = 1 if space.mode == "max" else -1
-    rows = []
-    for k, (v, history) in enumerate(zip(values, histories, strict=True)):
-        top = max(history, key=lambda m: sign * m[space.metric])  # the trial's row in Tune's table
-        rows.append(
-            {"trial_id": f"{run.name}_{k:05d}", space.metric: top[space.metric], "epoch": top["epoch"]}
-            | {f"{CONFIG_PREFIX}{key}": value for key, value in v.items()}
-        )
-    table = sorted(rows, key=lambda r: -sign * r[space.metric])  # stable: ties keep trial order, as the worker's pick
+    # failed replicas last; stable: ties keep trial order, as the worker's pick
+    table = sorted(rows, key=lambda r: (r["error"] is not None, -sign * r[space.metric]))
     results_path, best_yaml = exp_dir / "results.parquet", exp_dir / "best.yaml"
     write_table(pa.Table.from_pylist(table), results_path)
     best_yaml.write_text(
@@ -183,13 +186,38 @@ def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream:
     )
     (exp_dir / REPLICAS_FILE).write_text(
         json.dumps(
-            [{"trial_id": r["trial_id"], "values": v, "history": h} for r, v, h in zip(rows, values, histories)],
+            [
+                {"trial_id": r["trial_id"], "values": v, "history": h, "error": r["error"]}
+                for r, v, h in zip(rows, values, histories)
+            ],
             indent=1,
         )
     )
     return SweepOutcome(
         space.stage, values[best], float(rows[best][space.metric]), run, histories[best], table, results_path, best_yaml
     )
+
+
+def replica_rows(
+    run_name: str,
+    values: list[dict[str, Any]],
+    histories: list[list[dict[str, float]]],
+    errors: list[str | None],
+    metric: str,
+    mode: str,
+) -> list[dict[str, Any]]:
+    """Each replica's row of ``results.parquet``, in replica order: its best epoch by `metric`
+    (as Tune's table has a trial's), its ``error`` (None: it trained through; else the health
+    error that failed it, whose best epoch is the best one before that, NaN without one) and values."""
+    sign = 1 if mode == "max" else -1
+    rows = []
+    for k, (v, history, error) in enumerate(zip(values, histories, errors, strict=True)):
+        top = max(history, key=lambda m: sign * m[metric], default={metric: float("nan"), "epoch": 0})
+        rows.append(
+            {"trial_id": f"{run_name}_{k:05d}", metric: top[metric], "epoch": top["epoch"], "error": error}
+            | {f"{CONFIG_PREFIX}{key}": value for key, value in v.items()}
+        )
+    return rows
 
 
 def _free_name(folder: StorageDir) -> str:

@@ -1,5 +1,5 @@
 """``tune --batched`` end to end: the debug cascade's classifier swept as 4 replicas in one
-TorchTrainer job, on the cached features of the upstream the run trains first."""
+2-worker (DDP) TorchTrainer job, on the cached features of the upstream the run trains first."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
-from fakes import ListReporter
+import ray
 from paths import CONFIGS
 
 from cascade_ray.api import RunOptions, run_pipeline
@@ -20,7 +19,9 @@ from cascade_ray.config.yaml_io import read_yaml
 from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.features import upstream_outputs
-from cascade_ray.stage.loop import run_stage
+from cascade_ray.pipeline.fit import fit_stage
+from cascade_ray.stage.worker import read_checkpoint
+from cascade_ray.storage import as_storage
 from cascade_ray.tune.sweep import trial_config
 
 SPACE = """
@@ -33,7 +34,12 @@ space:
   solver.lr: {loguniform: [1.0e-3, 3.0e-2]}
   loss.scale: {choice: [0.5, 1.0]}
 """
-QUICK = ["stages.features.train.epochs=1", "stages.encoder.train.epochs=1", "stages.encoder.scaling.num_workers=1"]
+QUICK = [
+    "stages.features.train.epochs=1",
+    "stages.encoder.train.epochs=1",
+    "stages.encoder.scaling.num_workers=1",
+    "stages.classifier.scaling.num_workers=2",  # the batched job runs DDP, as a normal 2-worker stage
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +52,11 @@ def sweep(ray_session, tmp_path_factory):
     summary = run_pipeline(
         cfg, RunOptions(spaces=(("classifier", str(space)),), stop_after="classifier", batched=True), log=lambda _: None
     )
-    return cfg, summary, time.perf_counter() - started
+    return cfg, summary, time.perf_counter() - started, tmp
 
 
 def test_a_batched_sweep_writes_the_plain_sweeps_outputs_and_adopts_the_best_replica(sweep):
-    cfg, summary, elapsed = sweep
+    cfg, summary, elapsed, tmp = sweep
     record = summary["stages"][2]
     assert record["status"] == "tuned" and record["sweep"]["trials"] == 4
     exp = Path(summary["storage"]) / "tune" / "classifier"
@@ -73,18 +79,38 @@ def test_a_batched_sweep_writes_the_plain_sweeps_outputs_and_adopts_the_best_rep
     winner = next(r for r in replicas if r["trial_id"] == table[0]["trial_id"])
     assert max(h["val_accuracy"] for h in winner["history"]) == pytest.approx(scores[0])
 
-    # the adopted weights are the best config trained alone on the same upstream, at its best epoch by val_loss
+    # the adopted weights are the best config trained alone, as a normal 2-worker stage fit on the
+    # same upstream and features, at its best epoch by val_loss (the checkpoint the fit keeps)
     _, upstream = read_artifact(summary["stages"][1]["artifact"])
     _, adopted = read_artifact(record["artifact"])
     best_cfg = trial_config(cfg, "classifier", winner["values"])
+    assert best_cfg.stages[2].scaling.num_workers == 2
     data = load_data(best_cfg.data, best_cfg.seed)
     out = upstream_outputs(best_cfg, 2, data, upstream)
-    lone = ListReporter()
-    run_stage(
-        best_cfg, 2, data, upstream, lone, torch.device("cpu"), features={"x_train": out["train"], "x_val": out["val"]}
+    lone_started = time.perf_counter()
+    result = fit_stage(
+        best_cfg,
+        2,
+        data_ref=ray.put(data.to_arrays()),
+        upstream_ref=ray.put(upstream),
+        ray_dir=as_storage(str(tmp / "lone")),
+        run_name="lone-classifier",
+        features_ref=ray.put({"x_train": out["train"], "x_val": out["val"]}),
     )
-    epoch = int(np.argmin([r["val_loss"] for r in lone.reports]))
-    assert record["metrics"]["val_loss"] == pytest.approx(lone.reports[epoch]["val_loss"], rel=1e-5)
-    for key, value in lone.states[epoch].items():
+    lone_s = time.perf_counter() - lone_started
+    lone = result.return_value
+    assert lone["world_size"] == 2
+    for mine, theirs in zip(winner["history"], lone["history"], strict=True):  # rank 0's metrics, every epoch
+        for name in ("train_loss", "val_loss", "val_accuracy", "lr", "step"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-5), name
+    assert record["metrics"]["val_loss"] == pytest.approx(min(h["val_loss"] for h in lone["history"]), rel=1e-5)
+    with result.checkpoint.as_directory() as folder:
+        kept = read_checkpoint(folder)
+    worst = 0.0
+    for key, value in kept.items():
         np.testing.assert_allclose(adopted[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-    print(f"batched sweep pipeline (features + encoder + 4-replica classifier): {elapsed:.1f} s")
+        worst = max(worst, float(np.max(np.abs(adopted[key] - value), initial=0.0)))
+    print(
+        f"batched sweep pipeline (features + encoder + 4-replica 2-worker classifier): {elapsed:.1f} s; "
+        f"lone 2-worker classifier fit: {lone_s:.1f} s; max |adopted - lone| {worst:.2e}"
+    )

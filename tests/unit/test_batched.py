@@ -3,6 +3,8 @@ report carries the best replica's best epoch."""
 
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 import pytest
 import torch
@@ -138,7 +140,9 @@ def test_an_unbatchable_sweep_exits_2_before_ray_naming_the_key(
     assert cli_main(["tune", str(CONFIGS / "debug.yaml"), "--space", str(space), "--batched", *overrides]) == 2
     err = capsys.readouterr().err
     assert f"- {key}:" in err and reason in err, err
-    assert f"cascade-ray tune CONFIG --space {space} (without --batched)" in err, err
+    # the suggested plain sweep is the user's own command without --batched: it runs as printed
+    again = shlex.join([str(CONFIGS / "debug.yaml"), *overrides])
+    assert f"cascade-ray tune {again} --space {space} (without --batched)" in err, err
 
 
 def test_batched_in_the_space_file_is_checked_as_the_flag(tmp_path, inputs):
@@ -178,3 +182,104 @@ def test_the_configs_are_the_plain_sweeps_trials(inputs):
         {"stage": "classifier", "num_samples": 2, "search": "grid", "space": {"loss.scale": {"grid": [0.5, 1.0]}}}
     )
     assert [v["loss.scale"] for v in sample_values(cfg, grid)] == [0.5, 1.0, 0.5, 1.0]
+
+
+def test_the_refusal_names_a_shipped_config_as_the_user_did(tmp_path, monkeypatch, capsys):
+    import ray
+
+    from cascade_ray.cli import main as cli_main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started for a refused batched sweep"))
+    space = _space(tmp_path, "space: {solver.lr: {loguniform: [1e-3, 1e-2]}}")  # asha: refused
+    assert cli_main(["tune", "debug", "--space", str(space), "--batched", "seed=3"]) == 2
+    assert f"cascade-ray tune debug seed=3 --space {space} (without --batched)" in capsys.readouterr().err
+
+
+# -- health: a replica that diverges fails alone (as one Tune trial ERRORs), the others go on --
+
+DIVERGING = {"solver.type": "SGD", "solver.lr": 1e30}  # the loss is NaN within the first steps
+
+
+def test_a_diverging_replica_fails_alone_and_cannot_be_best(inputs, lone_runs, digits, capsys):
+    _, cfgs, upstream, features = inputs
+    bad = trial_config(inputs[0], "classifier", DIVERGING)
+    reporter = ListReporter()
+    outcome = run_batched(
+        [cfgs[0], bad], STAGE, digits, upstream, features, reporter, CPU, metric="val_accuracy", mode="max"
+    )
+    assert outcome.errors[0] is None and outcome.best == 0
+    assert "nonfinite" in outcome.errors[1] and "stages[2].solver.lr" in outcome.errors[1]
+    assert outcome.histories[1] == []  # it failed in its first epoch: no epoch of it is reported
+    assert "batched replica 1 failed" in capsys.readouterr().out
+    # the healthy replica trained as alone (the failed one stepping no more does not disturb it)
+    lone = lone_runs[0]
+    for mine, theirs in zip(outcome.histories[0], lone.reports, strict=True):
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
+
+
+def test_every_replica_failing_fails_the_job_naming_each(inputs, digits):
+    from cascade_ray.errors import HealthError
+
+    cfg, _, upstream, features = inputs
+    bad = [trial_config(cfg, "classifier", DIVERGING | {"solver.lr": lr}) for lr in (1e30, 1e31)]
+    with pytest.raises(HealthError, match="(?s)every replica .* failed: replica 0: .*nonfinite.*; replica 1: "):
+        run_batched(bad, STAGE, digits, upstream, features, ListReporter(), CPU, metric="val_accuracy", mode="max")
+
+
+def test_frozen_drift_of_the_shared_upstream_fails_that_replica(inputs, digits, monkeypatch):
+    """The digest each replica took of its frozen upstream before training is checked every epoch."""
+    import cascade_ray.stage.batched as batched
+
+    _, cfgs, upstream, features = inputs
+    real, calls = batched.frozen_digest, []
+
+    def digest(model, plan):  # the second replica's "before" digest is off: as if its upstream changed
+        calls.append(1)
+        taken = real(model, plan)
+        return dict.fromkeys(taken, "changed") if len(calls) == 2 else taken
+
+    monkeypatch.setattr(batched, "frozen_digest", digest)
+    replicas = train_replicas(
+        cfgs[:2], STAGE, digits, upstream, features, ListReporter(), CPU, metric="val_accuracy", mode="max"
+    )
+    assert replicas[0].error is None and len(replicas[0].history) == 2
+    assert "frozen tensor(s) changed" in replicas[1].error and replicas[1].history == []
+
+
+def test_sanity_val_steps_evaluate_every_replica_before_training(inputs, digits, monkeypatch):
+    import cascade_ray.stage.batched as batched
+
+    cfg, _, upstream, features = inputs
+    cfgs = [trial_config(cfg, "classifier", v | {"train.sanity_val_steps": 2}) for v in VALUES[:2]]
+    real, calls = batched._evaluate, []
+
+    def spy(live, source, reporter, prefix="val_", max_batches=None):
+        calls.append((len(live), prefix, max_batches))
+        return real(live, source, reporter, prefix, max_batches)
+
+    monkeypatch.setattr(batched, "_evaluate", spy)
+    train_replicas(cfgs, STAGE, digits, upstream, features, ListReporter(), CPU, metric="val_accuracy", mode="max")
+    assert calls[0] == (2, "sanity_", 2) and calls[1:] == [(2, "val_", None)] * 2
+
+
+def test_a_failed_replicas_row_says_so_and_keeps_its_values():
+    from cascade_ray.tune.batched import replica_rows
+
+    histories = [[{"epoch": 1, "val_accuracy": 0.5}, {"epoch": 2, "val_accuracy": 0.7}], []]
+    rows = replica_rows(
+        "batched-a1",
+        [{"solver.lr": 0.01}, {"solver.lr": 1e30}],
+        histories,
+        [None, "nonfinite ..."],
+        "val_accuracy",
+        "max",
+    )
+    assert rows[0] == {
+        "trial_id": "batched-a1_00000",
+        "val_accuracy": 0.7,
+        "epoch": 2,
+        "error": None,
+        "config/solver.lr": 0.01,
+    }
+    assert rows[1]["error"] == "nonfinite ..." and rows[1]["epoch"] == 0 and np.isnan(rows[1]["val_accuracy"])
+    assert rows[1]["config/solver.lr"] == 1e30
