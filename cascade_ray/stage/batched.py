@@ -238,18 +238,7 @@ def _replica(cfg, index, data, upstream, reporter, device, wrap) -> Replica:
     setup.model.input_stage = setup.stage.name  # forward starts at the stage's own adapter/module
     digest = frozen_digest(setup.model, setup.plan)  # as the lone loop: before the wrap, before training
     net = wrap(setup.model) if wrap is not None else setup.model
-    monitor = HealthMonitor(
-        stage=setup.stage,
-        index=index,
-        named=setup.named_params,
-        optimizer=setup.optimizer,
-        scheduler=setup.scheduler,
-        precision=setup.precision,
-        model=setup.model,
-        plan=setup.plan,
-        rank=reporter.rank,
-        all_sum=reporter.all_sum,
-    )
+    monitor = HealthMonitor.for_setup(setup, rank=reporter.rank, all_sum=reporter.all_sum)
     stopper = EarlyStopping(setup.stage.train.early_stopping)
     return Replica(cfg, setup, net, rng, _cuda_rng(device), stopper, monitor, digest)
 

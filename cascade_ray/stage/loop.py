@@ -144,18 +144,7 @@ def run_stage(
     digest = frozen_digest(model, setup.plan)  # the frozen weights as they must still be at every epoch's end
     # DDP wraps the model; FSDP sharded it in place (setup_stage), so forward runs on the model itself
     net = wrap(model) if wrap is not None and not is_sharded(model) else model
-    monitor = HealthMonitor(
-        stage=stage,
-        index=index,
-        named=setup.named_params,
-        optimizer=setup.optimizer,
-        scheduler=setup.scheduler,
-        precision=setup.precision,
-        model=model,
-        plan=setup.plan,
-        rank=reporter.rank,
-        all_sum=reporter.all_sum,
-    )
+    monitor = HealthMonitor.for_setup(setup, rank=reporter.rank, all_sum=reporter.all_sum)
     state = LoopState(
         stage=stage,
         index=index,

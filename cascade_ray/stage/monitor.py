@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,9 +26,30 @@ from cascade_ray.models.freeze import TrainablePlan, check_frozen, frozen_digest
 from cascade_ray.solver.schedule import LrSchedule
 from cascade_ray.solver.step import Precision, grad_norm
 
+if TYPE_CHECKING:
+    from cascade_ray.stage.setup import StageSetup
+
 
 class HealthMonitor:
     """Applies a stage's health rules; see the module docstring for when each runs."""
+
+    @classmethod
+    def for_setup(
+        cls, setup: StageSetup, *, rank: int = 0, all_sum: Callable[[list[float]], list[float]] = list
+    ) -> HealthMonitor:
+        """The monitor of what :func:`~cascade_ray.stage.setup.setup_stage` built (the lone and batched loops)."""
+        return cls(
+            stage=setup.stage,
+            index=setup.index,
+            named=setup.named_params,
+            optimizer=setup.optimizer,
+            scheduler=setup.scheduler,
+            precision=setup.precision,
+            model=setup.model,
+            plan=setup.plan,
+            rank=rank,
+            all_sum=all_sum,
+        )
 
     def __init__(
         self,
