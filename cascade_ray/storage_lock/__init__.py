@@ -10,6 +10,9 @@ The lock is ``{run}/.lock``, a small JSON record: ``host``, ``pid``, ``user``, `
 holder rewrites it every ``RUN_LOCK_HEARTBEAT_S``. A lock counts as abandoned (stale) when
 
 - its host is this host and its pid is dead: taken over, with a log line; or
+- its host and pid are this process's, but this process holds no lock with its token (an
+  earlier run in this process could not remove it, e.g. the store was down when it ended):
+  taken over, with a warning; or
 - its last write is older than ``RUN_LOCK_STALE_S`` (3 missed beats; a holder on another
   host, or a pid reused on this one): taken over, with a warning.
 
@@ -79,6 +82,7 @@ __all__ = [
 
 HOLDER_KEYS = ("host", "pid", "user", "started", "heartbeat")
 _ATTEMPTS = 5  # create / take over rounds before giving up on a lock that keeps changing
+_HELD_TOKENS: set[str] = set()  # tokens of the RunLocks this process holds now
 
 
 def display(run: StorageDir) -> str:
@@ -125,7 +129,10 @@ def _holder(seen: Seen) -> dict[str, Any]:
 def stale_reason(holder: dict[str, Any], age_s: float, stale_s: float) -> tuple[str, bool] | None:
     """Why a lock counts as abandoned and whether that deserves a warning; None while it looks held."""
     pid = holder.get("pid")
-    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0 and not _pid_alive(pid):
+    here = holder.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0
+    if here and pid == os.getpid() and holder.get("token") not in _HELD_TOKENS:
+        return "it was left by an earlier run in this process (its release could not remove it)", True
+    if here and not _pid_alive(pid):
         return f"its holder, pid {pid} on this host, is dead", False
     if age_s > stale_s:
         return f"no heartbeat for {age_s:.0f} s (stale after {stale_s:.0f} s)", True
@@ -139,6 +146,7 @@ class RunLock:
         self.store, self.record, self.version, self.log = store, record, version, log
         self._lock = threading.Lock()  # version and owned, between the heartbeat thread and release
         self.owned = True
+        _HELD_TOKENS.add(record["token"])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,), name="cascade-run-lock", daemon=True)
         self._thread.start()
@@ -155,7 +163,7 @@ class RunLock:
                     self.log(f"WARNING: run lock {self.store.where}: heartbeat failed ({type(exc).__name__}); retrying")
                     continue
                 if version is None:
-                    self.owned = False
+                    self._disown()
                     seen = self.store.read()
                     who = _holder(seen) if seen else {}
                     by = ", ".join(f"{k} {who[k]}" for k in HOLDER_KEYS if k in who) or "nobody"
@@ -166,6 +174,10 @@ class RunLock:
                     return
                 self.record, self.version = record, version
 
+    def _disown(self) -> None:
+        self.owned = False
+        _HELD_TOKENS.discard(self.record["token"])
+
     def release(self) -> bool:
         """Stop the heartbeat and remove the lock if it is still ours; True if it was removed."""
         self._stop.set()
@@ -173,7 +185,7 @@ class RunLock:
         with self._lock:
             if not self.owned:
                 return False
-            self.owned = False
+            self._disown()
             try:
                 return self.store.delete(self.version)
             except Exception as exc:  # noqa: BLE001 - a failed release must not hide how the run ended; the lock goes stale

@@ -86,6 +86,25 @@ def test_a_dead_holder_on_this_host_is_taken_over_with_a_log_line(tmp_path):
     lock.release()
 
 
+def test_a_lock_this_process_could_not_remove_is_taken_over_by_its_next_run_with_a_warning(tmp_path, monkeypatch):
+    ended: list[str] = []
+    first = acquire_run_lock(tmp_path, log=ended.append)
+    record = (tmp_path / LOCK_NAME).read_bytes()
+
+    def store_down(version):
+        raise OSError("store down")
+
+    monkeypatch.setattr(first.store, "delete", store_down)
+    assert first.release() is False  # the store was down as the run ended
+    assert "could not remove it (OSError)" in ended[0]
+    outage: list[str] = []
+    assert (tmp_path / LOCK_NAME).read_bytes() == record, "the lock is still there, naming this very pid"
+    with hold_run_lock(tmp_path, log=outage.append), pytest.raises(RunLockedError, match="pid is alive on this host"):
+        acquire_run_lock(tmp_path, log=pytest.fail)  # a lock this process holds now still excludes
+    assert outage[0].startswith("WARNING: run lock: taking over") and "earlier run in this process" in outage[0]
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
 def test_another_hosts_lock_is_held_until_its_heartbeat_is_stale_then_taken_over_with_a_warning(tmp_path):
     lock_file = tmp_path / LOCK_NAME
     lock_file.write_bytes(_foreign("elsewhere", 1))
