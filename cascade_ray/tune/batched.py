@@ -91,6 +91,15 @@ def batch_issues(
         issues.append(
             ConfigIssue("stage", f"stage {space.stage!r} does not train on cached features: {cached[1]}", plain)
         )
+    if index > 0 and cfg.stages[index].scaling.strategy == "fsdp" and cfg.stages[index].scaling.num_workers > 1:
+        issues.append(
+            ConfigIssue(
+                f"stages[{index}].scaling.strategy",
+                "fsdp shards one stage's trainable layers across the workers; the batched replicas are each "
+                "replicated with DDP, so the sweep would silently not shard",
+                f"set stages[{index}].scaling.strategy: ddp for the sweep, or {plain}",
+            )
+        )
     if cfg.data.streaming is True:
         issues.append(
             ConfigIssue(

@@ -126,6 +126,13 @@ def _space(tmp_path, body, stage="classifier"):
             "stage",
             "cache_features is off",
         ),
+        (
+            FIFO + "space: {solver.lr: {loguniform: [1e-3, 1e-2]}}",
+            "classifier",
+            ["stages.classifier.scaling.strategy=fsdp", "stages.classifier.scaling.num_workers=2"],
+            "stages[2].scaling.strategy",
+            "silently not shard",
+        ),
     ],
 )
 def test_an_unbatchable_sweep_exits_2_before_ray_naming_the_key(
