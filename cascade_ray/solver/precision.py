@@ -66,14 +66,23 @@ class PrecisionChoice:
         }
 
 
-def resolve_precision(requested: str, hw: Hardware) -> PrecisionChoice:
-    """The precision a stage with ``solver.precision: requested`` runs in on `hw`."""
+def resolve_precision(requested: str, hw: Hardware, sharded: bool = False) -> PrecisionChoice:
+    """The precision a stage with ``solver.precision: requested`` runs in on `hw`.
+
+    `sharded` (``scaling.strategy: fsdp``): ``auto`` never picks fp16 there, because its loss
+    scaler would skip overflow steps on each worker's own shard (explicit fp16 is refused by
+    validation); a GPU without native bf16 runs fp32 instead.
+    """
     if requested != "auto":
         emulated = requested == "bf16" and not hw.native_bf16
         reason = f"set explicitly; {hw.label}" + (f": bf16 is emulated ({hw.bf16_note})" if emulated else "")
         return PrecisionChoice(requested, requested, reason, hw.label, emulated)
     if hw.native_bf16:
         return PrecisionChoice("auto", "bf16", f"{hw.label}: native bf16", hw.label)
+    if hw.kind == "cuda" and sharded:
+        return PrecisionChoice(
+            "auto", "fp32", f"{hw.label}: no native bf16, and fp16 loss scaling is not sharded under fsdp", hw.label
+        )
     if hw.kind == "cuda":
         return PrecisionChoice("auto", "fp16", f"{hw.label}: no native bf16, fp16 with a loss scaler", hw.label)
     detail = f" ({hw.bf16_note})" if hw.capability.startswith("AVX512") else ""

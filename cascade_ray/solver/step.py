@@ -95,6 +95,7 @@ def build_precision(
     path: str,
     make_scaler: ScalerFactory | None = None,
     hardware: Hardware | None = None,
+    sharded: bool = False,
 ) -> Precision:
     """The :class:`Precision` of a solver section on `device`.
 
@@ -106,11 +107,13 @@ def build_precision(
             when given, fp16 is allowed off CUDA.
         hardware: what `device` runs natively (``precision: auto``); default detected
             (:func:`cascade_ray.hardware.detect_hardware`); tests inject one.
+        sharded: the stage runs ``scaling.strategy: fsdp`` (``auto`` then never resolves to fp16).
 
     Raises:
         ConfigError: fp16 off CUDA, or bf16 on a GPU without bf16 support.
     """
-    choice = resolve_precision(solver.precision, hardware if hardware is not None else detect_hardware(device))
+    hw = hardware if hardware is not None else detect_hardware(device)
+    choice = resolve_precision(solver.precision, hw, sharded)
     name = choice.resolved
     if name == "fp16":
         if make_scaler is None and device.type != "cuda":

@@ -161,7 +161,7 @@ def setup_stage(
     # precision (auto: what `device` runs natively), then the memory format and torch.compile it
     # implies; both act in place, so the parameters below are the ones the optimizer steps
     hw = hardware if hardware is not None else detect_hardware(device)
-    precision = build_precision(solver, device, f"{path}.solver", make_scaler, hw)
+    precision = build_precision(solver, device, f"{path}.solver", make_scaler, hw, stage.scaling.strategy == "fsdp")
     # decided by the stage's own module (a Transformer over frozen ResNet features has no convolution
     # of its own); a joint stage trains every module, so all of them count
     own = model.blocks[stage.name] if stage.name in model.blocks else model  # noqa: SIM401 - ModuleDict has no get()

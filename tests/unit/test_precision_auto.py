@@ -62,6 +62,11 @@ def test_auto_is_fp16_with_a_scaler_before_ampere_and_bf16_from_ampere():
     assert "sm_75: no native bf16, fp16 with a loss scaler" in old.choice.reason
     ampere = build_precision(solver, torch.device("cuda"), "p", hardware=Hardware.cuda(8, 0))
     assert (ampere.name, ampere.scaler) == ("bf16", None)
+    # under fsdp a loss scaler would judge each worker's shard alone: auto takes fp32 there, not fp16
+    sharded = build_precision(solver, torch.device("cuda"), "p", hardware=Hardware.cuda(7, 5), sharded=True)
+    assert (sharded.name, sharded.scaler) == ("fp32", None) and "not sharded under fsdp" in sharded.choice.reason
+    sharded_ampere = build_precision(solver, torch.device("cuda"), "p", hardware=Hardware.cuda(8, 0), sharded=True)
+    assert sharded_ampere.name == "bf16"
 
 
 def test_detection_honours_the_avx2_restriction_of_aten_and_onednn():
