@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cascade_ray.checks import load_config
 from cascade_ray.data.batches import num_train_batches
+from cascade_ray.hardware import detect_hardware
 from cascade_ray.stage.hooks import LoopHooks
 from cascade_ray.stage.loop import run_stage
 
@@ -103,7 +104,11 @@ def test_bf16_trains_on_cpu(digits):
     reporter = ListReporter()
     outcome = run_stage(cfg, 0, digits, None, reporter, CPU)
     # measured 0.66 in fp32 and bf16 after one epoch; chance is 0.1
-    assert reporter.reports[-1]["val_accuracy"] > 0.4 and outcome.health_warnings == 0
+    assert reporter.reports[-1]["val_accuracy"] > 0.4
+    # a CPU without native bf16 (AVX2 only: emulated, several times slower) gets the
+    # health.emulated_bf16 warning (policy warn) for an explicit bf16, and trains on
+    native = detect_hardware("cpu").native_bf16
+    assert outcome.health_warnings == (0 if native else 1), outcome
 
 
 def test_early_stopping_ends_the_stage(digits):
