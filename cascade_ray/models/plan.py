@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -124,24 +125,76 @@ def pretrained_issues(cfg: PipelineConfig, *, read_bytes: float = FINITE_CHECK_M
     return issues
 
 
+@dataclass(frozen=True)
+class ModuleFacts:
+    """What the strategy checks need of a stage's module, kept once the module (meta) is gone."""
+
+    type_name: str  # the module's class
+    has_blocks: bool  # defines cascade_layers()
+    has_params: bool
+
+
+def module_facts(modules: dict[str, torch.nn.Module]) -> dict[str, ModuleFacts]:
+    """:class:`ModuleFacts` of each built module."""
+    return {
+        name: ModuleFacts(
+            type(m).__name__, callable(getattr(m, "cascade_layers", None)), any(True for _ in m.parameters())
+        )
+        for name, m in modules.items()
+    }
+
+
+PlanKey = tuple[str, tuple[int, ...], int]
+_PLANS: dict[PlanKey, tuple[list[StagePlan], dict[str, ModuleFacts]]] = {}
+
+
+def _plan_key(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> PlanKey:
+    """What a plan depends on: each stage's architecture and pretrained file (checked from its header
+    on the way), not its solver, training or scaling; the trusted import roots, the input shape
+    and the output width."""
+    arch = [
+        s.model_dump(mode="json", include={"name", "type", "model", "adapter", "head", "pretrained"})
+        for s in cfg.stages
+    ]
+    text = json.dumps([arch, list(cfg.trusted_modules)], sort_keys=True)
+    return text, tuple(int(d) for d in input_shape), int(num_classes)
+
+
 def require_plans(cfg: PipelineConfig, input_shape: Sequence[int], num_classes: int) -> list[StagePlan]:
     """:func:`plan_chain`, raising :class:`ConfigError` on any issue.
 
-    Successful plans are remembered per (config, input shape, classes): the driver asks for
-    them several times per stage, and each plan builds every stage on the meta device.
+    Successful plans are remembered per architecture (:func:`_plan_key`), input shape and
+    classes: the driver asks for them several times per stage, every Tune trial of a stage has the
+    same ones, and each plan builds every stage on the meta device (the first one in a process
+    also imports torch's compiler stack, about a second). The strategy checks are run again for
+    every config, from the remembered :class:`ModuleFacts`. :func:`known_plans` /
+    :func:`remember_plans` carry them into Ray workers.
     """
-    key = (cfg.model_dump_json(), tuple(int(d) for d in input_shape), int(num_classes))
+    key = _plan_key(cfg, input_shape, num_classes)
     if key not in _PLANS:
-        plans, issues = plan_chain(cfg, input_shape, num_classes)
+        plans, issues, facts = _plan_chain(cfg, input_shape, num_classes)
         if issues:
             raise ConfigError(issues)
         if len(_PLANS) >= 64:
             _PLANS.clear()
-        _PLANS[key] = plans
-    return list(_PLANS[key])
+        _PLANS[key] = (plans, facts)
+    plans, facts = _PLANS[key]
+    issues = _strategy_issues(cfg, facts)
+    if issues:
+        raise ConfigError(issues)
+    return list(plans)
 
 
-_PLANS: dict[tuple[str, tuple[int, ...], int], list[StagePlan]] = {}
+def known_plans() -> dict[PlanKey, tuple[list[StagePlan], dict[str, ModuleFacts]]]:
+    """This process's remembered plans (small: shapes and flags), for a worker's loop config."""
+    return dict(_PLANS)
+
+
+def remember_plans(entries: dict[PlanKey, tuple[list[StagePlan], dict[str, ModuleFacts]]] | None) -> None:
+    """Adopt plans a driver computed (:func:`known_plans`), so a worker does not plan again."""
+    for key, value in (entries or {}).items():
+        if len(_PLANS) < 64:
+            _PLANS.setdefault(key, value)
 
 
 def plan_chain(
@@ -159,6 +212,21 @@ def plan_chain(
     planning of a run: none). Validation checks them first, without running the chain
     (:func:`pretrained_issues`), and plans with ``check_pretrained=False``.
     """
+    plans, issues, facts = _plan_chain(
+        cfg, input_shape, num_classes, read_bytes=read_bytes, check_pretrained=check_pretrained
+    )
+    return plans, issues + _strategy_issues(cfg, facts)
+
+
+def _plan_chain(
+    cfg: PipelineConfig,
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    read_bytes: float = 0,
+    check_pretrained: bool = True,
+) -> tuple[list[StagePlan], list[ConfigIssue], dict[str, ModuleFacts]]:
+    """:func:`plan_chain` without the strategy checks; with the modules' :class:`ModuleFacts`."""
     plans: list[StagePlan] = []
     issues: list[ConfigIssue] = []
     shape = tuple(input_shape)
@@ -179,10 +247,10 @@ def plan_chain(
             if module is not None:
                 modules[stage.name] = module
             shape, producer = plan.out_shape, f"stage {stage.name!r}"
-    return plans, issues + _strategy_issues(cfg, modules)
+    return plans, issues, module_facts(modules)
 
 
-def _strategy_issues(cfg: PipelineConfig, modules: dict[str, torch.nn.Module]) -> list[ConfigIssue]:
+def _strategy_issues(cfg: PipelineConfig, modules: dict[str, ModuleFacts]) -> list[ConfigIssue]:
     """``train.activation_checkpointing`` needs blocks (``cascade_layers()``) in every module the stage
     trains; ``scaling.strategy: fsdp`` on several workers needs parameters to shard."""
     issues = []
@@ -192,12 +260,12 @@ def _strategy_issues(cfg: PipelineConfig, modules: dict[str, torch.nn.Module]) -
         if stage.train.activation_checkpointing:
             for name in trained:
                 module = modules.get(name)
-                if module is not None and not callable(getattr(module, "cascade_layers", None)):
+                if module is not None and not module.has_blocks:
                     issues.append(
                         ConfigIssue(
                             f"{path}.train.activation_checkpointing",
                             f"stage {stage.name!r} checkpoints activations per block, but the module of stage "
-                            f"{name!r} ({type(module).__name__}) defines no cascade_layers() listing its blocks",
+                            f"{name!r} ({module.type_name}) defines no cascade_layers() listing its blocks",
                             f"set {path}.train.activation_checkpointing: false, or give the module a "
                             "cascade_layers() method returning its blocks in forward order",
                         )
@@ -208,7 +276,7 @@ def _strategy_issues(cfg: PipelineConfig, modules: dict[str, torch.nn.Module]) -
             and stage.scaling.num_workers > 1
             and stage.type == "module"
             and module is not None
-            and not any(True for _ in module.parameters())
+            and not module.has_params
             and stage.adapter is None
             and stage.head.type == "none"
         ):

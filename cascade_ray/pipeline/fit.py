@@ -21,6 +21,7 @@ from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
 from cascade_ray.logs import train_logging_config
+from cascade_ray.models.plan import known_plans
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.failures import stage_failure
 from cascade_ray.pipeline.trainer import StageTrainer
@@ -344,6 +345,7 @@ def fit_stage(
             "features_ref": [features_ref] if features_ref is not None else [],
             "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
             "fit_started": time.time(),  # the start-up phases count from here (cascade_ray/stage/startup.py)
+            "plans": known_plans(),  # this process's shape plans: the workers do not plan again
             **observer_config(cfg, index, ray_dir.parent, options, board),  # progress, log level, --profile trace
         },
         **_stream_args(stream),

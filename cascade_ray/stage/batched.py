@@ -46,6 +46,7 @@ from cascade_ray.data.batches import ArraySource, accumulation_windows
 from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue, FrozenDriftError, HealthError
 from cascade_ray.models.freeze import frozen_digest
 from cascade_ray.models.metrics import EvalMetrics
+from cascade_ray.models.plan import remember_plans
 from cascade_ray.solver import EarlyStopping, clip_gradients
 from cascade_ray.stage.loop import Reporter
 from cascade_ray.stage.monitor import HealthMonitor
@@ -323,6 +324,7 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
 
     base = loop_config["pipeline"]
     index = int(loop_config["stage_index"])
+    remember_plans(loop_config.get("plans"))  # the driver's shape plans, shared by every replica
     cfgs = []
     for k, raw in enumerate(loop_config["replicas"]):
         raw["stages"][index]["scaling"] = base["stages"][index]["scaling"]  # the fit's use_gpu decision

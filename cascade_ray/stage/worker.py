@@ -25,6 +25,7 @@ from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.errors import ResourceError
+from cascade_ray.models.plan import remember_plans
 from cascade_ray.models.weights import load_safetensors, save_safetensors
 from cascade_ray.stage.hooks import LoopHooks, chain_hooks
 from cascade_ray.stage.loop import run_stage
@@ -120,6 +121,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     """Entry point Ray Train runs on every worker of a stage."""
     cfg = validate_config(loop_config["pipeline"], source="train_loop_config", preflight=False)
     index = int(loop_config["stage_index"])
+    remember_plans(loop_config.get("plans"))  # the driver's shape plans (planning again costs ~1 s)
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
     # Ray pins OMP threads to the CPUs assigned; torch must follow or it oversubscribes.
     torch.set_num_threads(max(1, int(cpus)))

@@ -24,6 +24,7 @@ from ray import tune
 from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.models.plan import known_plans, remember_plans
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import fit_stage, worker_resources
 from cascade_ray.ray_compat import uncount_asha_stop, wait_for_tune_reports_taken
@@ -92,9 +93,13 @@ def _run_trial(
     ray_dir: str,
     options: RunOptions,
     stream: Any = None,
+    plans: dict[Any, Any] | None = None,
 ) -> None:
-    """One trial (runs in a Tune trial actor); `stream`: the streamed data or streamed cache it trains on."""
+    """One trial (runs in a Tune trial actor); `stream`: the streamed data or streamed cache it trains
+    on; `plans`: the driver's shape plans (:func:`~cascade_ray.models.plan.known_plans`)."""
     from ray.tune.integration.ray_train import TuneReportCallback
+
+    remember_plans(plans)  # a trial of solver values has its base's plans: neither it nor its workers plan
 
     cfg = trial_config(validate_config(base, preflight=False), stage, config)
     index = cfg.stage_index(stage)
@@ -217,6 +222,7 @@ def build_tuner(
         ray_dir=full_uri(exp_dir / "trials"),
         options=RunOptions(log_level=(options or RunOptions()).log_level),
         stream=stream,
+        plans=known_plans(),
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     if resume:

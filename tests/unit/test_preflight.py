@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paths import CONFIGS
 from safetensors.torch import save_file
 
 from cascade_ray.checks import validate_config
@@ -68,3 +69,59 @@ def test_a_flattening_mlp_is_checked_against_the_flattened_size(debug_raw):
     debug_raw["stages"][2]["model"]["in_features"] = 16
     with pytest.raises(ConfigError, match="set in_features to 256"):
         validate_config(debug_raw)
+
+
+def test_plans_are_remembered_per_architecture_and_a_worker_seeded_with_them_does_not_plan(debug_raw, tmp_path):
+    """A Tune trial of solver values has its base's plans; a worker given them skips the meta run
+    (the first in a process imports torch's compiler stack, about a second)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from cascade_ray.models import plan as planning
+
+    cfg = validate_config(debug_raw)
+    planning._PLANS.clear()
+    base = planning.require_plans(cfg, (1, 8, 8), 10)
+    debug_raw["stages"][2]["solver"]["lr"] = 0.5  # a trial's value: same architecture, same plans
+    trial = validate_config(debug_raw)
+    assert planning.require_plans(trial, (1, 8, 8), 10) == base and len(planning._PLANS) == 1
+    debug_raw["stages"][2]["model"]["hidden"] = [8]  # another architecture: planned again
+    assert planning.require_plans(validate_config(debug_raw), (1, 8, 8), 10) != base and len(planning._PLANS) == 2
+    # the strategy checks still run per config, from the remembered module facts: a foreign first
+    # stage (no cascade_layers()) planned once, then asked to checkpoint activations
+    debug_raw["stages"][2]["model"]["hidden"] = trial.stages[2].model.hidden
+    debug_raw["trusted_modules"] = ["user_models"]
+    debug_raw["stages"][0]["model"] = {"type": "user_models:tiny_cnn", "width": 16}
+    foreign = validate_config(debug_raw)
+    planning.require_plans(foreign, (1, 8, 8), 10)
+    debug_raw["stages"][0]["train"] = {**debug_raw["stages"][0].get("train", {}), "activation_checkpointing": True}
+    checkpointed = validate_config(debug_raw, preflight=False)
+    assert planning._plan_key(checkpointed, (1, 8, 8), 10) in planning.known_plans()
+    with pytest.raises(ConfigError, match=r"stages\[0\].train.activation_checkpointing.*Sequential"):
+        planning.require_plans(checkpointed, (1, 8, 8), 10)
+
+    entries = tmp_path / "plans.pkl"
+    key = planning._plan_key(cfg, (1, 8, 8), 10)
+    entries.write_bytes(pickle.dumps({key: planning.known_plans()[key]}))
+    code = f"""
+import pickle, sys
+import torch
+from cascade_ray.checks import validate_config
+from cascade_ray.config.yaml_io import read_yaml
+from cascade_ray.data import load_digits
+from cascade_ray.models.plan import remember_plans
+from cascade_ray.stage.setup import build_stage_model
+cfg = validate_config(read_yaml({str(CONFIGS / "debug.yaml")!r}), preflight=False)
+data = load_digits(train_size=None, val_fraction=0.2, seed=0)
+if sys.argv[1] == "seeded":
+    remember_plans(pickle.loads(open({str(entries)!r}, "rb").read()))
+build_stage_model(cfg, 2, data, None)
+print("planned" if "torch._dynamo" in sys.modules else "not planned")
+"""
+    runs = {
+        how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=120)
+        for how in ("seeded", "fresh")
+    }
+    assert runs["seeded"].stdout.split()[-2:] == ["not", "planned"], runs["seeded"].stderr[-2000:]
+    assert runs["fresh"].stdout.split()[-1:] == ["planned"], runs["fresh"].stderr[-2000:]

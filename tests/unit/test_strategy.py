@@ -16,7 +16,7 @@ from cascade_ray.config.schema import ScalingConfig, TrainConfig
 from cascade_ray.errors import ConfigError
 from cascade_ray.models.checkpointing import checkpoint_blocks
 from cascade_ray.models.mlp import mlp
-from cascade_ray.models.plan import _strategy_issues
+from cascade_ray.models.plan import _strategy_issues, module_facts
 from cascade_ray.models.resnet import resnet
 from cascade_ray.models.transformer import transformer
 from cascade_ray.stage.loop import run_stage
@@ -75,9 +75,9 @@ def test_fsdp_on_a_stage_without_parameters_is_refused(debug_raw):
     debug_raw["stages"][1]["scaling"]["strategy"] = "fsdp"
     debug_raw["stages"][1]["head"] = {"type": "none"}
     cfg = validate_config(debug_raw, preflight=False)
-    (issue,) = _strategy_issues(cfg, {"encoder": nn.Flatten()})  # a parameter-free module, as preflight builds it
+    (issue,) = _strategy_issues(cfg, module_facts({"encoder": nn.Flatten()}))  # a parameter-free module, as preflight builds it
     assert issue.path == "stages[1].scaling.strategy" and "nothing to shard" in issue.message
-    assert not _strategy_issues(cfg, {"encoder": nn.Linear(2, 2)})
+    assert not _strategy_issues(cfg, module_facts({"encoder": nn.Linear(2, 2)}))
 
 
 def test_checkpointing_a_module_without_blocks_is_refused_before_ray(debug_raw):
