@@ -124,8 +124,8 @@ def health_notes(data: ReportData) -> list[str]:
     notes = []
     if data.summary.status != "finished":
         notes.append(f"the run is not finished: {data.summary.describe()}")
-    for stage, rows in data.metrics.items():
-        for r in rows:
+    for stage in [s.name for s in data.summary.stages if s.name in data.metrics]:  # pipeline order
+        for r in data.metrics[stage]:
             if r.get("kind", "epoch") != "epoch":
                 continue
             warned = r.get("health_warnings")
