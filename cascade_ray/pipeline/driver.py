@@ -111,8 +111,8 @@ def run_pipeline(
     # one driver per run folder, for the whole run: taken once the input is known good, before Ray
     with hold_run_lock(out, break_lock=options.break_lock, log=log):
         # a stop_after run (cascade-ray tune) reuses matching stages and writes no summary.json
-        quiet = options.resume or options.overwrite or options.stop_after
-        if not quiet and summary_status(out / SUMMARY_FILE) == "finished":
+        asked = options.resume or options.overwrite or options.stop_after  # to run over whatever is there
+        if not asked and summary_status(out / SUMMARY_FILE) == "finished":
             raise RunFinishedError(display(out))
         # a stop_after run leaves the run's outputs alone: it would demote a finished summary
         outputs = None if options.stop_after else RunOutputs(out, cfg, data.target_kind, log)

@@ -175,3 +175,25 @@ def test_the_html_report_of_a_finished_run_renders_offline_in_chromium(debug_cfg
     assert 'id="stage-table"' in dom and "val loss" in text and "accuracy <b>0.7500</b>" in dom
     assert dom.count('src="data:image/png;base64,') == 4  # three stages' curves and the confusion matrix
     assert "status: finished" in text
+
+
+def test_outputs_as_the_run_goes_land_on_object_storage_too(s3, tmp_path):
+    """The same crash with storage_path on S3 (moto on loopback): metrics, config and the failed summary in the bucket."""
+    import uuid
+
+    from cascade_ray.storage import as_storage
+
+    prefix = f"outputs-{uuid.uuid4().hex[:8]}"
+    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={s3.uri(prefix)}"])
+    run = as_storage(s3.uri(prefix, "debug"))
+    _crash_in_stage_3(cfg, run, log=lambda _: None)
+    keys = set(s3.keys(f"{prefix}/debug"))
+    assert {
+        f"{prefix}/debug/{k}"
+        for k in ("summary.json", "config.yaml", "metrics/features.parquet", "metrics/encoder.parquet")
+    } <= keys
+    assert any(k.startswith(f"{prefix}/debug/tensorboard/encoder/events.out") for k in keys)
+    summary = read_summary(run / "summary.json")
+    assert [s.status for s in summary.stages] == ["trained", "trained", "failed"]
+    assert str(build_report(run, html=True)) == f"{run}/report/report.html"
+    assert f"{prefix}/debug/report/report.html" in set(s3.keys(f"{prefix}/debug"))
