@@ -16,7 +16,7 @@ from pathlib import Path
 from cascade_ray.tools.report_data import Figures, ReportData, cell, health_notes, stage_rows
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #1a1a1a; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #1a1a1a; overflow-wrap: anywhere; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: 0.6em 0; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
