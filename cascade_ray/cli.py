@@ -83,7 +83,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="train again over a finished run ({run}/summary.json) without --resume, rewriting its outputs",
+        help="train again over a finished run ({run}/summary.json with status finished) without --resume, "
+        "rewriting its outputs (a failed or interrupted run needs neither flag)",
     )
     _add_break_lock(p)
     _add_trust_tune_state(p)
@@ -258,9 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end-lr", type=float, default=10.0, help="last lr (default 10)")
     _add_in_process_args(p)
     p = sub.add_parser(
-        "report", help="PNG curves per stage, the composed model's confusion matrix and report.md of a finished run"
+        "report",
+        help="PNG curves per stage, the composed model's confusion matrix and report.md of a run (finished, "
+        "running or failed: a partial run shows its done stages)",
     )
-    p.add_argument("run_dir", help="a finished run: {storage_path}/{name}")
+    p.add_argument("run_dir", help="a run: {storage_path}/{name}")
+    p.add_argument(
+        "--html",
+        action="store_true",
+        help="also write report/report.html: one self-contained page (figures embedded) that opens offline",
+    )
     p = sub.add_parser(
         "export",
         help="export a finished run's composed model (raw inputs, normalization inside) and check parity against eager",
@@ -325,7 +333,7 @@ def _run_tool(args: argparse.Namespace) -> int:
     if args.command == "report":
         from cascade_ray.tools.report import build_report
 
-        print(build_report(args.run_dir))
+        print(build_report(args.run_dir, html=args.html))
     elif args.command == "export":
         import json
 

@@ -95,14 +95,15 @@ class RunLockedError(CascadeError):
 
 
 class RunFinishedError(CascadeError):
-    """``{storage_path}/{name}`` holds a finished run (``summary.json``) and neither resume nor overwrite was asked."""
+    """``{storage_path}/{name}`` holds a finished run (``summary.json``, status finished) and neither resume nor
+    overwrite was asked."""
 
     exit_code = 2
 
     def __init__(self, run: str):
         self.run = run
         super().__init__(
-            f"{run} holds a finished run (summary.json)\n"
+            f"{run} holds a finished run (summary.json, status finished)\n"
             "    fix: pass --resume to reuse its stages whose fingerprint matches, --overwrite to train again "
             "and rewrite it (RunOptions(resume=True) / RunOptions(overwrite=True)), or choose another name= or storage_path="
         )

@@ -35,7 +35,7 @@ class RunOptions:
     break_lock: bool = False
     """Take the run lock (``{run}/.lock``) even from a driver that looks alive (``--break-lock``)."""
     overwrite: bool = False
-    """Train again over a finished run (``{run}/summary.json``) without ``resume``; every file
+    """Train again over a finished run (``{run}/summary.json``, status finished) without ``resume``; every file
     the run writes is rewritten (``--overwrite``)."""
     trust_tune_state: bool = False
     """Restore sweeps without checking their Tune state's sha256 sidecar (``--trust-tune-state``)."""

@@ -35,16 +35,16 @@ from cascade_ray.models.plan import plan_chain, require_plans
 from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
-from cascade_ray.pipeline.outputs import next_steps, write_run_outputs
+from cascade_ray.pipeline.outputs import SUMMARY_FILE, RunOutputs, next_steps
 from cascade_ray.pipeline.ray_token import ensure_private_token
-from cascade_ray.pipeline.records import RunSummary, summary_text
+from cascade_ray.pipeline.records import summary_status
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
 from cascade_ray.pipeline.streaming import StreamedData, check_streaming_resources, scan_data
 from cascade_ray.ray_compat import detected_cpus
 from cascade_ray.solver import step_count_issues
 from cascade_ray.solver.precision import precision_config_issues
 from cascade_ray.stage.progress import ProgressSession
-from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
+from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, storage_root
 from cascade_ray.storage_lock import display, hold_run_lock
 
 
@@ -73,12 +73,14 @@ def run_pipeline(
         log: where progress lines go.
 
     Returns:
-        The summary, also written to ``{storage_path}/{name}/summary.json`` for full runs.
+        The summary, also written to ``{storage_path}/{name}/summary.json`` for full runs (which
+        rewrite it as they go: status running after each stage, failed when they stop on an error).
 
     Raises:
         RunLockedError: another driver holds the run lock (``options.break_lock`` takes it).
-        RunFinishedError: the run folder holds a finished run and neither ``options.resume``
-            nor ``options.overwrite`` is set.
+        RunFinishedError: the run folder holds a finished run (its summary's status is finished)
+            and neither ``options.resume`` nor ``options.overwrite`` is set; a failed or
+            interrupted run is trained again (or resumed with ``options.resume``).
     """
     options = options or RunOptions()
     runners = dict(runners or {})
@@ -109,10 +111,17 @@ def run_pipeline(
     # one driver per run folder, for the whole run: taken once the input is known good, before Ray
     with hold_run_lock(out, break_lock=options.break_lock, log=log):
         # a stop_after run (cascade-ray tune) reuses matching stages and writes no summary.json
-        finished = not (options.resume or options.overwrite or options.stop_after) and (out / "summary.json").exists()
-        if finished:
+        asked = options.resume or options.overwrite or options.stop_after  # to run over whatever is there
+        if not asked and summary_status(out / SUMMARY_FILE) == "finished":
             raise RunFinishedError(display(out))
-        return _run_locked(cfg, options, runners, out, data, log)
+        # a stop_after run leaves the run's outputs alone: it would demote a finished summary
+        outputs = None if options.stop_after else RunOutputs(out, cfg, data.target_kind, log)
+        try:
+            return _run_locked(cfg, options, runners, out, data, log, outputs)
+        except BaseException as exc:  # Ctrl-C too: the summary says the run stopped, and where
+            if outputs is not None:
+                outputs.failed(exc)  # never raises: the original error is what propagates
+            raise
 
 
 def _run_locked(
@@ -122,8 +131,10 @@ def _run_locked(
     out: StorageDir,
     data: DataSplits | StreamedData,
     log: Callable[[str], None],
+    outputs: RunOutputs | None,
 ) -> dict[str, Any]:
-    """The run itself, under the run lock: Ray, every stage, the composed-model test, the outputs."""
+    """The run itself, under the run lock: Ray, every stage, the composed-model test, the outputs
+    (`outputs`: kept current after each stage; None for a stop_after run)."""
     if not ray.is_initialized() and not (options.address or os.environ.get("RAY_ADDRESS")):
         _check_embedded_resources(cfg)  # the embedded Ray will be this machine: fail before starting it
     started_ray = init_ray(options.address, options.log_level)
@@ -157,6 +168,8 @@ def _run_locked(
                 "import-only, on the driver" if stage.train.epochs == 0 else f"on {stage.scaling.num_workers} worker(s)"
             )
             log(f"stage {index + 1}/{len(cfg.stages)}: {stage.name} ({stage.type}) {where}")
+            if outputs is not None:
+                outputs.stage_started(index)
             if stage.name in runners:
                 outcome = runners[stage.name](session, index, upstream)
             else:
@@ -166,6 +179,8 @@ def _run_locked(
                 session = dataclasses.replace(session, cfg=outcome.cfg)
             upstream = outcome.handoff
             records.append(outcome.record)
+            if outputs is not None:
+                outputs.stage_done(outcome.record, session.cfg)
             log(
                 f"  {stage.name} {outcome.record['status']}: {_fmt_metrics(outcome.record['metrics'])} "
                 f"({outcome.record['wall_s']:.1f} s)"
@@ -178,23 +193,12 @@ def _run_locked(
             ray.shutdown()
     if upstream is None:
         raise ConfigError([ConfigIssue("stages", "the pipeline has no stage", "add at least one stage")])
+    if outputs is None:  # a stop_after naming no stage ran them all: still no outputs of its own
+        return {"name": cfg.name, "stages": records, "storage": str(out)}
     final_cfg = session.cfg  # swept stages carry their best trial's values
     test = evaluate_composed(final_cfg, data, upstream.state)
-    metrics = test["metrics"]
-    run_summary = RunSummary(
-        name=cfg.name,
-        test_accuracy=metrics.get("accuracy"),
-        test_loss=metrics["loss"],
-        test_metrics=metrics,
-        target_kind=data.target_kind,
-        stages=records,
-        storage=str(out),
-    )
+    run_summary, events = outputs.finish(final_cfg, test)  # the predictions, then the finished summary
     summary = run_summary.to_json()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(summary_text(run_summary))
-    with staged_dir(out) as local:  # the report writers use local paths; staged to s3:// / gs:// here
-        events = write_run_outputs(local, final_cfg, records, test["labels"], test["predictions"], log=log)
     log(format_table(summary))
     steps = next_steps(str(out), tensorboard=None if events is None else str(out / events.name))
     log("\n".join(["next:", *(f"  {step}" for step in steps)]))

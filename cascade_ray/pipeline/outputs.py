@@ -8,6 +8,12 @@ the validation metrics), ``{run}/test_predictions.parquet`` (label and predictio
 sample: class indices, or lists of multilabel flags / regression values) and, when the ``tensorboard`` package is installed, ``{run}/tensorboard/<stage>/``
 event files with the same scalars. :func:`next_steps` is what the driver prints last: the
 commands to run on the finished run.
+
+:class:`RunOutputs` writes them as the run goes: each stage's metrics (and TensorBoard
+events) and ``summary.json`` (``status`` running, with each stage done / running / pending)
+when a stage starts and ends, a failed summary when the run stops on an error, and the
+test predictions and the finished summary last; a run that crashes in stage 3 keeps stages
+1-2's metrics, and ``cascade-ray report`` works on it.
 """
 
 from __future__ import annotations
@@ -23,11 +29,100 @@ import pyarrow.parquet as pq
 import yaml
 
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.storage import StorageDir, read_table, redact
+from cascade_ray.pipeline.records import RunSummary, StageState, error_text, summary_text
+from cascade_ray.storage import StorageDir, read_table, redact, staged_dir
 
 CONFIG_FILE = "config.yaml"
 METRICS_DIR = "metrics"
 PREDICTIONS_FILE = "test_predictions.parquet"
+SUMMARY_FILE = "summary.json"
+
+
+class RunOutputs:
+    """A run's outputs kept current while it goes (see the module docstring), local or on object storage.
+
+    A write in the middle of the run that fails (storage down) is a warning: the run goes on
+    and the next write tries again; the final writes of :meth:`finish` raise.
+    """
+
+    def __init__(self, out: StorageDir, cfg: PipelineConfig, target_kind: str, log: Callable[[str], None] = print):
+        self.out, self.cfg, self.target_kind, self.log = out, cfg, target_kind, log
+        self.records: list[dict[str, Any]] = []
+        self.running: int | None = None  # index of the stage under way
+        self.started = False  # no summary is written for a run that failed before its first stage
+
+    def stage_started(self, index: int) -> None:
+        """Stage `index` starts: the summary says so."""
+        self.started, self.running = True, index
+        self._try(lambda: self._write_summary(self._summary("running")))
+
+    def stage_done(self, record: dict[str, Any], cfg: PipelineConfig) -> None:
+        """A stage is done: its metrics table and events, the config so far (swept values) and the summary."""
+        self.records.append(record)
+        self.running = None
+
+        def write() -> None:
+            with staged_dir(self.out) as local:
+                write_config(local, cfg)
+                tables = write_metrics(local, [record])
+                _write_events(local, tables, lambda _: None)  # "no tensorboard" is said once, by finish
+            self._write_summary(self._summary("running"))
+
+        self._try(write)
+
+    def failed(self, exc: BaseException) -> None:
+        """The run stopped on `exc`: a failed summary (the stage under way marked failed). Never raises:
+        a write that fails is a warning, and the caller re-raises `exc`."""
+        if not self.started:
+            return
+        self._try(lambda: self._write_summary(self._summary("failed", error_text(exc))))
+
+    def finish(self, cfg: PipelineConfig, test: dict[str, Any]) -> tuple[RunSummary, Path | None]:
+        """Every output of the finished run, the finished summary last: (summary, the TensorBoard folder or None)."""
+        metrics = test["metrics"]
+        summary = RunSummary(
+            name=self.cfg.name,
+            test_accuracy=metrics.get("accuracy"),
+            test_loss=metrics["loss"],
+            test_metrics=metrics,
+            target_kind=self.target_kind,
+            stages=self.records,
+            storage=str(self.out),
+        )
+        with staged_dir(self.out) as local:  # the writers use local paths; staged to s3:// / gs:// here
+            events = write_run_outputs(local, cfg, self.records, test["labels"], test["predictions"], log=self.log)
+        self._write_summary(summary)
+        return summary, events
+
+    def _summary(self, status: str, error: str | None = None) -> RunSummary:
+        states = [
+            StageState(
+                name=stage.name,
+                type=stage.type,
+                status=(status if status == "failed" else "running") if index == self.running else "pending",
+                error=error if index == self.running else None,
+            )
+            for index, stage in enumerate(self.cfg.stages)
+            if index >= len(self.records)
+        ]
+        return RunSummary(
+            name=self.cfg.name,
+            status=status,
+            error=error,
+            target_kind=self.target_kind,
+            stages=[*self.records, *states],
+            storage=str(self.out),
+        )
+
+    def _write_summary(self, summary: RunSummary) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / SUMMARY_FILE).write_text(summary_text(summary))
+
+    def _try(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - the run (or its original error) matters more than this file
+            self.log(f"warning: could not update the run's outputs in {self.out} ({error_text(exc)[:300]}); continuing")
 
 
 def write_run_outputs(
@@ -44,20 +139,35 @@ def write_run_outputs(
         ``{out}/tensorboard`` when event files were written there, else None (no tensorboard
         package, or no metric rows).
     """
-    from cascade_ray.pipeline.tensorboard import write_tensorboard
+    write_config(out, cfg)
+    tables = write_metrics(out, records)
+    pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
+    return _write_events(out, tables, log)
 
+
+def write_config(out: Path, cfg: PipelineConfig) -> None:
+    """``{out}/config.yaml``: the resolved config, credentials in a storage URI redacted."""
     out.mkdir(parents=True, exist_ok=True)
     resolved = cfg.model_dump(mode="json")
     resolved["storage_path"] = redact(resolved["storage_path"])  # credentials in a URI stay out of files
     (out / CONFIG_FILE).write_text(yaml.safe_dump(resolved, sort_keys=False))
-    (out / METRICS_DIR).mkdir(exist_ok=True)
+
+
+def write_metrics(out: Path, records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``{out}/metrics/<stage>.parquet`` of each record that has metric rows; stage -> its rows."""
+    (out / METRICS_DIR).mkdir(parents=True, exist_ok=True)
     tables = {}
     for record in records:
         rows = metric_rows(record["name"], record["history"])
         if rows:
             pq.write_table(_table(rows), out / METRICS_DIR / f"{record['name']}.parquet")
             tables[record["name"]] = rows
-    pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
+    return tables
+
+
+def _write_events(out: Path, tables: dict[str, list[dict[str, Any]]], log: Callable[[str], None]) -> Path | None:
+    from cascade_ray.pipeline.tensorboard import write_tensorboard
+
     events = write_tensorboard(out, tables, log)
     return events if events is not None and events.is_dir() else None
 

@@ -17,13 +17,14 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cascade_ray.errors import ArtifactError
 from cascade_ray.storage import StorageDir, not_regular_reason
 
 MANIFEST_FIX = "the artifact is damaged or from another version: re-run the stage (without --resume) to retrain it"
 SUMMARY_FIX = "the run's summary is damaged or from another version: re-run the pipeline to write it again"
+ERROR_CHARS = 2000  # an error's text kept in summary.json (a long Ray traceback is cut at the end)
 
 
 def _has_val_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -171,15 +172,40 @@ class StageRecord(StageResult):
         return cls(**shared, digest=manifest.weights_sha256, **fields)
 
 
+class StageState(_Record):
+    """A stage of an unfinished run that has no record (yet): in ``summary.json`` while the run goes."""
+
+    name: str = Field(description="Stage name.")
+    type: str = Field(description="Stage type (``stages[i].type``).")
+    status: Literal["running", "failed", "pending"] = Field(
+        description="Running now, failed (the run stopped there; see ``error``), or not started yet."
+    )
+    error: str | None = Field(None, description="A failed stage's error: its type and message, cut at 2000 characters.")
+
+
 class RunSummary(_Record):
-    """``{storage_path}/{name}/summary.json``: every stage and the composed model on the test split."""
+    """``{storage_path}/{name}/summary.json``: every stage and the composed model on the test split.
+
+    Rewritten as the run goes (after each stage starts and ends, and when it fails); ``status``
+    says whether the run finished. Only a finished summary has the test results and a record
+    for every stage.
+    """
 
     name: str = Field(description="The pipeline's name (``name`` in the config).")
+    status: Literal["running", "failed", "finished"] = Field(
+        default="finished",
+        description="``finished``: every stage and the test evaluation done; ``running``: the run is (or was, "
+        "when its driver died) under way; ``failed``: it stopped on ``error``. Summaries written before the "
+        "status existed are finished ones.",
+    )
+    error: str | None = Field(None, description="A failed run's error: its type and message, cut at 2000 characters.")
     test_accuracy: float | None = Field(
         default=None, description="Class targets: accuracy of the composed model (last head) on the test split."
     )
-    test_loss: float = Field(
-        description="Mean loss (the last stage's loss.type) of the composed model on the test split."
+    test_loss: float | None = Field(
+        default=None,
+        description="Mean loss (the last stage's loss.type) of the composed model on the test split; "
+        "set in a finished summary.",
     )
     test_metrics: dict[str, float] | None = Field(
         default=None,
@@ -187,8 +213,58 @@ class RunSummary(_Record):
         "mae / rmse / r2); absent in summaries written before it existed.",
     )
     target_kind: str = Field(default="class", description="``data.target.kind`` of the run.")
-    stages: list[StageRecord] = Field(min_length=1, description="One record per stage, in pipeline order.")
+    stages: list[Annotated[StageRecord | StageState, Field(discriminator="status")]] = Field(
+        min_length=1,
+        description="One entry per stage, in pipeline order: the record of a done stage, else its state "
+        "(running, failed, pending).",
+    )
     storage: str = Field(description="The run's folder, ``{storage_path}/{name}``.")
+
+    @model_validator(mode="after")
+    def _finished_is_complete(self) -> RunSummary:
+        if self.status == "finished":
+            if self.test_loss is None:
+                raise ValueError("'test_loss' missing (a finished summary has the test results)")
+            unfinished = [s.name for s in self.stages if isinstance(s, StageState)]
+            if unfinished:
+                raise ValueError(f"a finished summary has stages without a record: {', '.join(unfinished)}")
+        return self
+
+    @property
+    def done(self) -> list[StageRecord]:
+        """The records of the stages that are done, in pipeline order."""
+        return [s for s in self.stages if isinstance(s, StageRecord)]
+
+    def describe(self) -> str:
+        """``finished``, or e.g. ``failed in stage 'head' (ValueError: ...)`` / ``running stage 'head'``."""
+        if self.status == "finished":
+            return "finished"
+        at = next((s.name for s in self.stages if isinstance(s, StageState) and s.status != "pending"), None)
+        where = "" if at is None else (f" in stage {at!r}" if self.status == "failed" else f" stage {at!r}")
+        first = (self.error or "").splitlines()[0][:200] if self.error else ""
+        return f"{self.status}{where}" + (f" ({first})" if first else "")
+
+
+def error_text(exc: BaseException) -> str:
+    """`exc` as summary.json keeps it: ``Type: message``, cut at :data:`ERROR_CHARS`."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 15] + " ... (cut here)"
+
+
+def summary_status(path: StorageDir) -> str:
+    """The ``status`` of the summary at `path`: ``absent`` when there is none; a file that does not
+    parse as a summary with a running / failed status counts as ``finished`` (never trained over
+    without --resume / --overwrite)."""
+    if not path.exists():
+        return "absent"
+    if not_regular_reason(path) is not None:  # stat only: reading a FIFO would block
+        return "finished"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "finished"
+    status = raw.get("status") if isinstance(raw, dict) else None
+    return status if status in ("running", "failed") else "finished"
 
 
 def _where(loc: tuple[int | str, ...]) -> str:
@@ -211,8 +287,12 @@ def _problem(exc: ValidationError) -> str:
         text = f"{where!r} missing"
     elif kind == "extra_forbidden":
         text = f"unexpected key {where!r}"
+    elif kind == "union_tag_invalid":  # a stage entry's status picks its kind (record or state)
+        ctx = first.get("ctx", {})
+        key = f"{where}.{ctx.get('discriminator', 'status')}".replace("'", "")
+        text = f"{key!r}: {ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}"
     elif kind == "value_error":
-        text = f"{where!r}: {first['msg']}"
+        text = f"{where!r}: {first['msg']}" if where else first["msg"].removeprefix("Value error, ")
     else:
         found = repr(first.get("input"))
         text = f"{where!r}: {first['msg']} (found {found[:60] + '...' if len(found) > 60 else found})"

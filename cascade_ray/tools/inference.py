@@ -293,13 +293,22 @@ def with_trust(cfg: PipelineConfig, trust: Sequence[str] = (), trust_run: bool =
 
 
 def run_summary(run: StorageDir) -> RunSummary:
-    """The run's validated ``summary.json``, or a :class:`CascadeError` saying the run is not finished."""
+    """The run's validated ``summary.json``, or a :class:`CascadeError` saying the run is not finished
+    (no summary, or one whose status is running or failed)."""
     if not (run / SUMMARY_FILE).is_file():
         raise CascadeError(
             f"{run} is not a finished run (no {SUMMARY_FILE}): pass {{storage_path}}/{{name}} of a run that "
             "completed, or a stage artifact folder {run}/stages/<stage>"
         )
-    return read_summary(run / SUMMARY_FILE)
+    summary = read_summary(run / SUMMARY_FILE)
+    if summary.status != "finished":
+        done = ", ".join(s.name for s in summary.done) or "none"
+        raise CascadeError(
+            f"{run} is not a finished run (summary.json: {summary.describe()}): its composed model was never "
+            f"tested; finish it with `cascade-ray run CONFIG --resume` (done stages are reused), or load a done "
+            f"stage's artifact {run}/stages/<stage> (done: {done}); `cascade-ray report {run}` shows what it has"
+        )
+    return summary
 
 
 def load_cascade(

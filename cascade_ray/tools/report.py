@@ -1,66 +1,76 @@
-"""``cascade-ray report RUN_DIR``: PNGs and a report.md that embeds them with the stage table."""
+"""``cascade-ray report RUN_DIR [--html]``: PNGs and a report.md that embeds them with the stage table
+(``--html``: also one self-contained report.html, see :mod:`cascade_ray.tools.report_html`).
+
+Works on a partial run too (one that is still running, or crashed in a later stage): its
+``summary.json`` says which stages are done, and the report shows those stages' curves and
+the run's status; the composed model's confusion matrix or scatter needs a finished run.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from cascade_ray.config.metrics import HEADLINE_METRIC
-from cascade_ray.errors import CascadeError
-from cascade_ray.pipeline.outputs import read_metrics, read_predictions
-from cascade_ray.pipeline.records import RunSummary, read_summary
-from cascade_ray.storage import StorageDir, as_storage, staged_dir
-from cascade_ray.tools.plots import plot_confusion, plot_regression, plot_stage
+from cascade_ray.storage import StorageDir, staged_dir
+from cascade_ray.tools.report_data import (
+    Figures,
+    ReportData,
+    cell,
+    draw_figures,
+    health_notes,
+    read_report_data,
+    stage_rows,
+)
 
 REPORT_DIR = "report"
 
 
-def build_report(run: str | StorageDir) -> StorageDir:
-    """Write ``RUN_DIR/report/*.png`` and ``RUN_DIR/report/report.md`` (a local folder or a URI:
-    on object storage the files are drawn locally, then uploaded); return the .md path."""
-    run = as_storage(run, "run_dir")
-    if not (run / "summary.json").is_file():
-        raise CascadeError(
-            f"{run} has no summary.json: pass the folder of a finished run, i.e. {{storage_path}}/{{name}}"
-        )
-    summary = read_summary(run / "summary.json")
-    metrics = read_metrics(run)
-    with staged_dir(run / REPORT_DIR) as out:
-        _write_report(run, summary, metrics, out)
-    return run / REPORT_DIR / "report.md"
+def build_report(run: str | StorageDir, html: bool = False) -> StorageDir:
+    """Write ``RUN_DIR/report/*.png`` and ``RUN_DIR/report/report.md`` (and ``report.html`` with
+    `html`) (a local folder or a URI: on object storage the files are drawn locally, then
+    uploaded); return the .md path, or the .html path with `html`."""
+    data = read_report_data(run)
+    with staged_dir(data.run / REPORT_DIR) as out:
+        figures = draw_figures(data, out)
+        (out / "report.md").write_text(markdown(data, figures))
+        if html:
+            from cascade_ray.tools.report_html import render_html
+
+            (out / "report.html").write_text(render_html(data, figures), encoding="utf-8")
+    return data.run / REPORT_DIR / ("report.html" if html else "report.md")
 
 
-def _write_report(run: StorageDir, summary: RunSummary, metrics: dict[str, list[dict]], out: Path) -> None:
-    name = HEADLINE_METRIC[summary.target_kind]
-    test = summary.test_metrics or {"accuracy": summary.test_accuracy, "loss": summary.test_loss}
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != name)
-    lines = [
-        f"# Run `{summary.name}`",
-        "",
-        f"Composed model on the test split ({summary.target_kind} targets): {name} **{test[name]:.4f}**, {shown}.",
-        "",
-    ]
-    lines += [
-        f"| stage | status | val {name} | val loss | trainable | frozen | workers | wall s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summary.stages:
-        m = s.metrics
-        lines.append(
-            f"| {s.name} | {s.status} | {m.get(f'val_{name}', float('nan')):.4f} | {m['val_loss']:.4f} | {s.trainable_params:,} | {s.frozen_params:,} | {s.num_workers} | {s.wall_s:.1f} |"
-        )
+def markdown(data: ReportData, figures: Figures) -> str:
+    """report.md: the test result (or the run's status), the stage table, notes, curves, the test figure."""
+    summary, name = data.summary, data.headline
+    test = data.test_metrics()
+    lines = [f"# Run `{summary.name}`", ""]
+    if test is not None:
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != name)
+        lines += [
+            f"Composed model on the test split ({summary.target_kind} targets): {name} **{test[name]:.4f}**, {shown}.",
+            "",
+        ]
+    else:
+        lines += [f"Status: **{summary.describe()}**; no composed-model test results yet.", ""]
+    table = stage_rows(data)
+    lines += ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in table[1:]]
     lines.append("")
-    for s in summary.stages:
-        rows = metrics.get(s.name)
-        if rows:
-            png = plot_stage(rows, s.name, out / f"{s.name}.png")
-            lines += [f"## {s.name}", "", f"![{s.name} curves]({png.name})", ""]
-    labels, predictions = read_predictions(run)
-    title = f"{summary.name}: composed model, test {name} {test[name]:.4f}"
-    if summary.target_kind == "class":
-        classes = int(max(labels.max(), predictions.max())) + 1
-        png = plot_confusion(labels, predictions, classes, out / "confusion.png", title)
-        lines += ["## Confusion matrix (test split)", "", f"![confusion matrix]({png.name})", ""]
-    elif summary.target_kind == "regression":
-        png = plot_regression(labels, predictions, out / "regression.png", title)
-        lines += ["## Predicted vs true (test split)", "", f"![predicted vs true]({png.name})", ""]
-    (out / "report.md").write_text("\n".join(lines))
+    notes = health_notes(data)
+    if notes:
+        lines += ["## Health", "", *(f"- {n}" for n in notes), ""]
+    if summary.error:
+        lines += ["## Error", "", "```", summary.error, "```", ""]
+    for stage, png in figures.stages.items():
+        lines += [f"## {stage}", "", f"![{stage} curves]({png.name})", ""]
+    for stage, rows in data.sweeps.items():
+        lines += [f"## Sweep of {stage}", ""]
+        if isinstance(rows, str):
+            lines += [rows, ""]
+        elif rows:
+            keys = list(rows[0])
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
+            lines.append("")
+    if figures.test is not None:
+        png, title = figures.test
+        lines += [f"## {title} (test split)", "", f"![{title.lower()}]({png.name})", ""]
+    return "\n".join(lines)

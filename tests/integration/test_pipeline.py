@@ -13,7 +13,7 @@ from paths import CONFIGS
 
 from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
-from cascade_ray.errors import FrozenDriftError, ResourceError
+from cascade_ray.errors import CascadeError, FrozenDriftError, ResourceError
 from cascade_ray.pipeline.artifacts import MANIFEST, read_artifact
 from cascade_ray.pipeline.records import read_manifest, read_summary
 from cascade_ray.stage.startup import PHASES
@@ -112,6 +112,54 @@ def test_frozen_drift_in_a_worker_is_an_error_in_the_driver(ray_session, tmp_pat
         run_pipeline(cfg, log=lambda _: None)
     # the first stage's artifact survives the failure of the second
     assert read_artifact(tmp_path / "debug" / "stages" / "features")[1]
+
+
+def test_a_crash_in_stage_3_leaves_the_done_stages_outputs_and_resume_finishes_it(ray_session, tmp_path, capsys):
+    """Stage 3 fails in its worker (an upstream module that drifts when it runs, on un-cached inputs):
+    stages 1-2's metrics and a failed summary stay; report (and --html) work on it; --resume finishes it."""
+    from cascade_ray.cli import main as cli_main
+    from cascade_ray.errors import RunFinishedError
+    from cascade_ray.pipeline.outputs import read_metrics
+    from cascade_ray.tools.inference import load_cascade, run_summary
+
+    base = [
+        f"storage_path={tmp_path}",
+        "trusted_modules=[user_models]",
+        "stages[0].model={type: 'user_models:drifting', in_features: 64, width: 64}",
+        "stages[0].train.epochs=1",
+        "stages[1].model={type: mlp, in_features: 64, hidden: [16]}",
+        "stages[1].scaling.num_workers=1",
+        "stages[1].train.epochs=1",
+        "stages[2].train.epochs=1",
+    ]
+    crash = load_config(CONFIGS / "debug.yaml", [*base, "stages[2].freeze.cache_features=off"])
+    with pytest.raises(FrozenDriftError, match="calls"):
+        run_pipeline(crash, log=lambda _: None)
+    run = tmp_path / "debug"
+    summary = read_summary(run / "summary.json")
+    assert summary.status == "failed" and summary.test_loss is None
+    assert [s.status for s in summary.stages] == ["trained", "trained", "failed"]
+    assert summary.stages[2].error.startswith("FrozenDriftError") and "calls" in summary.stages[2].error
+    metrics = read_metrics(run)
+    assert set(metrics) == {"features", "encoder"} and all(metrics.values())
+    assert (run / "tensorboard" / "encoder").is_dir()
+    with pytest.raises(CascadeError, match="not a finished run"):
+        run_summary(run)
+    encoder = load_cascade(run / "stages" / "encoder")  # a done stage loads from the partial run
+    assert encoder.stage == "encoder"
+    capsys.readouterr()  # the run's own progress lines
+    assert cli_main(["report", str(run), "--html"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(run / "report" / "report.html")
+    html = (run / "report" / "report.html").read_text()
+    assert "FrozenDriftError" in html and "Stage classifier (failed)" in html and "Stage encoder (trained)" in html
+    assert "| classifier | failed |" in (run / "report" / "report.md").read_text()
+    # a failed run is not finished: --resume reuses the done stages and finishes it
+    fixed = load_config(CONFIGS / "debug.yaml", base)
+    done = run_pipeline(fixed, RunOptions(resume=True), log=lambda _: None)
+    assert [s["status"] for s in done["stages"]] == ["reused", "reused", "trained"]
+    assert read_summary(run / "summary.json").status == "finished"
+    with pytest.raises(RunFinishedError):  # now it is finished
+        run_pipeline(fixed, log=lambda _: None)
 
 
 def test_resume_reuses_matching_stages_and_retrains_what_changed(debug_run):
