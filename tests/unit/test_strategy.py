@@ -75,9 +75,8 @@ def test_fsdp_on_a_stage_without_parameters_is_refused(debug_raw):
     debug_raw["stages"][1]["scaling"]["strategy"] = "fsdp"
     debug_raw["stages"][1]["head"] = {"type": "none"}
     cfg = validate_config(debug_raw, preflight=False)
-    (issue,) = _strategy_issues(
-        cfg, module_facts({"encoder": nn.Flatten()})
-    )  # a parameter-free module, as preflight builds it
+    # a parameter-free module, as preflight builds it
+    (issue,) = _strategy_issues(cfg, module_facts({"encoder": nn.Flatten()}))
     assert issue.path == "stages[1].scaling.strategy" and "nothing to shard" in issue.message
     assert not _strategy_issues(cfg, module_facts({"encoder": nn.Linear(2, 2)}))
 
