@@ -4,6 +4,7 @@ checkpoints rank best (real ``ray.train`` Checkpoint and Result objects on local
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 import ray.train
@@ -108,3 +109,18 @@ def test_the_newest_stays_when_it_is_one_of_the_best(tmp_path):
     result = _result(tmp_path, HISTORY, [2, 4])
     assert not drop_last_checkpoint(result, "val_loss", "min", 2)  # epochs 2 and 4 are the two best
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_2", "checkpoint_4"]
+
+
+def test_the_newest_is_dropped_on_object_storage_too(s3):
+    """The same on the moto S3 bucket: the Checkpoint's own filesystem deletes its prefix."""
+    fs, base = s3.filesystem(), f"{s3.bucket}/retention-{uuid.uuid4().hex[:8]}"
+    kept = []
+    for epoch in (2, 4):
+        with fs.open_output_stream(f"{base}/checkpoint_{epoch}/weights") as out:
+            out.write(str(epoch).encode())
+        kept.append((ray.train.Checkpoint(f"{base}/checkpoint_{epoch}", filesystem=fs), HISTORY[epoch - 1]))
+    result = ray.train.Result(
+        metrics=HISTORY[-1], checkpoint=kept[-1][0], error=None, path=base, best_checkpoints=kept[::-1]
+    )
+    assert drop_last_checkpoint(result, "val_loss", "min", 1)
+    assert s3.keys(base.split("/", 1)[1]) == [f"{base.split('/', 1)[1]}/checkpoint_2/weights"]
