@@ -50,6 +50,7 @@ from cascade_ray.models.plan import remember_plans
 from cascade_ray.solver import EarlyStopping, clip_gradients
 from cascade_ray.stage.loop import Reporter
 from cascade_ray.stage.monitor import HealthMonitor
+from cascade_ray.stage.progress import format_trial
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 
 
@@ -224,13 +225,31 @@ def train_replicas(
             r.setup.scheduler.step_epoch(metrics)
             r.done = r.stopper.update(metrics)
         if reporter.rank == 0:
-            top = max(live, key=lambda r: r.history[-1][metric] * (1 if mode == "max" else -1))
-            print(
-                f"[{base.name}] batched epoch {epoch + 1}/{base.train.epochs}: {len(live)} replicas, "
-                f"best {metric} {top.history[-1][metric]:.4f} (replica {replicas.index(top)})",
-                flush=True,
-            )
+            _print_replicas(base.name, replicas, epoch + 1, base.train.epochs, metric, mode)
     return replicas
+
+
+def _print_replicas(stage: str, replicas: list[Replica], epoch: int, epochs: int, metric: str, mode: str) -> None:
+    """The sweep's progress lines at an epoch end: one per replica, as a Tune sweep's one per trial
+    (:func:`cascade_ray.stage.progress.format_trial`), prefixed with the stage (``--log-level warning`` hides them)."""
+    sign = 1.0 if mode == "max" else -1.0
+    bests = {id(r): max((h[metric] for h in r.history), key=lambda v: sign * v, default=None) for r in replicas}
+    scored = [r for r in replicas if bests[id(r)] is not None]
+    leader = max(scored, key=lambda r: sign * bests[id(r)], default=None)
+    for k, r in enumerate(replicas):
+        state = "ERROR" if r.error is not None else "TERMINATED" if r.done or epoch == epochs else "RUNNING"
+        last = r.history[-1] if r.history else {}
+        line = format_trial(
+            f"replica-{k}",
+            state,
+            metric=metric,
+            epoch=last.get("epoch"),
+            epochs=epochs,
+            value=last.get(metric),
+            best=bests[id(r)],
+            leader=r is leader,
+        )
+        print(f"[{stage}] {line}", flush=True)
 
 
 def _replica(cfg, index, data, upstream, reporter, device, wrap) -> Replica:
