@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cascade_ray.config.metrics import checkpoint_metric, metric_mode
+from cascade_ray.config.metrics import retention_metric
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows
@@ -69,7 +69,7 @@ class Replica:
     history: list[dict[str, float]] = field(default_factory=list)
     step: int = 0
     done: bool = False
-    best_score: float | None = None  # by the stage's checkpoint metric (train.metric)
+    best_score: float | None = None  # by the stage's checkpoint metric (train.checkpoint.metric)
     best_epoch: int = 0
     best_own: dict[str, torch.Tensor] | None = None  # the stage's own tensors at best_score
     error: str | None = None  # the health rule that failed this replica (then done, never the best)
@@ -122,7 +122,7 @@ def run_batched(
     the best replica.
 
     The one report (rank 0 checkpoints) carries the best replica's weights at its best epoch by
-    ``train.metric``; the best replica is the one whose best epoch by `metric` (`mode`: max/min)
+    ``train.checkpoint.metric``; the best replica is the one whose best epoch by `metric` (`mode`: max/min)
     is best, as Tune's ``get_best_result(scope="all")`` picks a trial.
     """
     replicas = train_replicas(
@@ -180,8 +180,8 @@ def train_replicas(
     replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap) for cfg in cfgs]
     train_src = ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device)
     val_src = ArraySource(features["x_val"], data.y_val, 0.0, 1.0, device)
-    ckpt_metric = checkpoint_metric(cfgs[0], base)
-    better = (lambda a, b: a > b) if metric_mode(ckpt_metric) == "max" else (lambda a, b: a < b)
+    ckpt_metric, ckpt_mode = retention_metric(cfgs[0], base)  # as a lone stage picks its artifact
+    better = (lambda a, b: a > b) if ckpt_mode == "max" else (lambda a, b: a < b)
     if base.train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
         _evaluate(replicas, val_src, reporter, prefix="sanity_", max_batches=base.train.sanity_val_steps)
     for epoch in range(base.train.epochs):
