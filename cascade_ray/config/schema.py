@@ -454,7 +454,8 @@ class CheckpointRetention(_Strict):
         True,
         description="Also keep the newest checkpoint when it is not among the `top_k` (the one an interrupted "
         "stage resumes from; Ray Train keeps it while the stage trains either way). `false` deletes it once "
-        "the stage has finished, leaving exactly the `top_k` best.",
+        "the stage's artifact is written (a swept stage: in the adopted trial's run), leaving exactly the "
+        "`top_k` best.",
     )
 
 

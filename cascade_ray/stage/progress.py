@@ -365,9 +365,6 @@ class ProgressSession:
         self.board = None
 
 
-TRIAL_STATES = ("PENDING", "RUNNING", "PAUSED", "TERMINATED", "ERROR")
-
-
 def format_trial(
     trial: str,
     state: str,
