@@ -108,6 +108,11 @@ def set_print_guard(guard: Callable[[], AbstractContextManager[Any]] | None) -> 
     _print_guard = guard or nullcontext
 
 
+def print_guard() -> Callable[[], AbstractContextManager[Any]]:
+    """The guard :func:`set_print_guard` set (a sweep's display chains its own in front of it)."""
+    return _print_guard
+
+
 def install_worker_filter(level: str) -> bool:
     """Put :func:`keep_lines` in front of Ray's printer of forwarded worker output (after ``ray.init``).
 

@@ -96,6 +96,8 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
         "worker_failure_cause",
         instance=True,
     ),
+    # unreadable_run_errors
+    PrivateSymbol("ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError", "unreadable_run_errors"),
     # pin_deployment_version
     PrivateSymbol("ray.serve.deployment", "Deployment._version", "pin_deployment_version", True),
     PrivateSymbol("ray.serve._private.client", "ServeControllerClient.deploy_applications", "pin_deployment_version"),
@@ -502,6 +504,28 @@ def worker_failure_cause(failure: BaseException) -> BaseException | None:
         )
         return None
     return getattr(failure, "health_check_failure", None) if isinstance(failure, cls) else None
+
+
+def unreadable_run_errors() -> tuple[type[BaseException], ...]:
+    """What ``ray.train.Result.from_path`` raises for a Ray run folder it cannot read back.
+
+    Ray 2.60.0 raises ``RuntimeError`` without a snapshot and
+    ``ray.train.v2._internal.exceptions.CheckpointManagerInitializationError`` (not a public
+    class) when the snapshot names a checkpoint folder that is gone, e.g. the newest one
+    ``train.checkpoint.save_last: false`` deleted. Buys: ``--resume`` trains such a stage afresh
+    instead of failing (``cascade_ray.pipeline.fit.resumable_run``). Fallback (moved): only
+    ``RuntimeError``, and such a folder fails the resume with Ray's own error.
+    """
+    try:
+        cls = _symbol("ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError")
+    except (ImportError, AttributeError) as exc:
+        _warn_once(
+            "unreadable_run_errors",
+            f"Ray Train's checkpoint-snapshot error is gone ({exc})",
+            "a Ray run folder missing a checkpoint fails --resume with Ray's own error",
+        )
+        return (RuntimeError,)
+    return (RuntimeError, cls)
 
 
 def missing_private_symbols(symbols: Iterable[PrivateSymbol] = PRIVATE_SYMBOLS) -> list[tuple[PrivateSymbol, str]]:

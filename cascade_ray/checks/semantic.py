@@ -7,7 +7,7 @@ import math
 from pydantic import BaseModel
 
 from cascade_ray.checks.params import param_group_issues
-from cascade_ray.config.metrics import epoch_metric_names
+from cascade_ray.config.metrics import epoch_metric_names, metric_mode, retention_metric
 from cascade_ray.config.schema import NormalizeStats, PipelineConfig, StageConfig
 from cascade_ray.config.trust import import_refusal, module_refusal, trust_fix
 from cascade_ray.errors import ConfigError, ConfigIssue
@@ -120,15 +120,19 @@ def _metric_issues(cfg: PipelineConfig, stage: StageConfig, path: str) -> list[C
     """Every epoch metric a stage watches must be one the data's target kind reports."""
     kind = cfg.data.target.kind
     known = epoch_metric_names(kind, cfg.data.target.num_classes)
-    watched = [(f"{path}.train.metric", stage.train.metric)]
+    watched = [
+        (f"{path}.train.metric", stage.train.metric),
+        (f"{path}.train.checkpoint.metric", stage.train.checkpoint.metric),
+    ]
     if stage.train.early_stopping is not None:
         watched.append((f"{path}.train.early_stopping.metric", stage.train.early_stopping.metric))
     if stage.solver.lr_scheduler.type == "ReduceLROnPlateau":
         watched.append((f"{path}.solver.lr_scheduler.monitor", stage.solver.lr_scheduler.monitor))
     issues = []
     for key, metric in watched:
-        valid = [m for m in known if m != "train_loss"] if key.endswith("train.metric") else known
-        if metric == "auto" and key.endswith("train.metric"):
+        scored = key.endswith(("train.metric", "checkpoint.metric"))  # checkpoint scores: validation metrics only
+        valid = [m for m in known if m != "train_loss"] if scored else known
+        if metric == "auto" and scored:
             continue
         if metric not in valid:
             issues.append(
@@ -138,6 +142,33 @@ def _metric_issues(cfg: PipelineConfig, stage: StageConfig, path: str) -> list[C
                     f"use one of: {', '.join(valid)}",
                 )
             )
+    return issues + _retention_issues(cfg, stage, path, known)
+
+
+def _retention_issues(cfg: PipelineConfig, stage: StageConfig, path: str, known: list[str]) -> list[ConfigIssue]:
+    """``train.checkpoint``: a mode against its metric's known direction, more checkpoints kept than epochs."""
+    retention, key = stage.train.checkpoint, f"{path}.train.checkpoint"
+    issues = []
+    metric, mode = retention_metric(cfg, stage)
+    if retention.mode != "auto" and metric in known and mode != metric_mode(metric):
+        issues.append(
+            ConfigIssue(
+                f"{key}.mode",
+                f"{mode!r} ranks {metric} the wrong way: {metric} improves as it gets "
+                f"{'smaller' if metric_mode(metric) == 'min' else 'larger'}, so the worst checkpoints would be kept "
+                "and the worst one become the artifact",
+                f"set {key}.mode: {metric_mode(metric)} (or auto)",
+            )
+        )
+    if 0 < stage.train.epochs < retention.top_k:
+        issues.append(
+            ConfigIssue(
+                f"{key}.top_k",
+                f"{retention.top_k} checkpoints kept, but the stage trains {stage.train.epochs} epoch(s) and "
+                "checkpoints once per epoch",
+                f"set {key}.top_k: {stage.train.epochs} or less (or raise {path}.train.epochs)",
+            )
+        )
     return issues
 
 

@@ -44,3 +44,11 @@ def checkpoint_metric(cfg: PipelineConfig, stage: StageConfig) -> str:
     """`stage.train.metric`, with ``auto`` resolved for the data's target kind."""
     metric = stage.train.metric
     return _DEFAULT[cfg.data.target.kind] if metric == "auto" else metric
+
+
+def retention_metric(cfg: PipelineConfig, stage: StageConfig) -> tuple[str, str]:
+    """(metric, mode) that rank a stage's checkpoints and pick its artifact: `stage.train.checkpoint`
+    with its ``auto`` values resolved (the metric: :func:`checkpoint_metric`; the mode: the metric's direction)."""
+    retention = stage.train.checkpoint
+    metric = checkpoint_metric(cfg, stage) if retention.metric == "auto" else retention.metric
+    return metric, metric_mode(metric) if retention.mode == "auto" else retention.mode

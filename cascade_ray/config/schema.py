@@ -426,6 +426,39 @@ class EarlyStoppingConfig(_Strict):
     min_delta: float = Field(0.0, ge=0.0, description="Smallest change that counts as an improvement.")
 
 
+MAX_CHECKPOINTS_KEPT = 1000
+
+
+class CheckpointRetention(_Strict):
+    """Which of a stage's per-epoch checkpoints are kept, and which one becomes the stage artifact."""
+
+    top_k: int = Field(
+        1,
+        ge=1,
+        le=MAX_CHECKPOINTS_KEPT,
+        description="Checkpoints kept, the best by `metric` (Ray Train's `CheckpointConfig.num_to_keep`), in the "
+        "stage's Ray run folder on its storage (local or object storage); the others are deleted as training "
+        "goes. The stage artifact is always the best one. At most `train.epochs`: one checkpoint per epoch.",
+    )
+    metric: str = Field(
+        "auto",
+        description="Validation metric that ranks the checkpoints and picks the artifact: `auto` is "
+        "`train.metric` (resolved for the target kind), else any `val_` metric of the target kind.",
+    )
+    mode: Literal["auto", "min", "max"] = Field(
+        "auto",
+        description="Direction in which `metric` improves: `auto` follows the metric (losses and errors: min, "
+        "the rest: max); an explicit value contradicting a known metric's direction is an error.",
+    )
+    save_last: bool = Field(
+        True,
+        description="Also keep the newest checkpoint when it is not among the `top_k` (the one an interrupted "
+        "stage resumes from; Ray Train keeps it while the stage trains either way). `false` deletes it once "
+        "the stage's artifact is written (a swept stage: in the adopted trial's run), leaving exactly the "
+        "`top_k` best.",
+    )
+
+
 class TrainConfig(_Strict):
     """How long and how the stage trains."""
 
@@ -454,13 +487,18 @@ class TrainConfig(_Strict):
     )
     metric: str = Field(
         "auto",
-        description="Validation metric that selects the best checkpoint: `auto` (class: `val_accuracy`, "
+        description="Validation metric that selects the best checkpoint (unless `train.checkpoint.metric` "
+        "names another): `auto` (class: `val_accuracy`, "
         "multilabel: `val_map`, regression: `val_loss`) or any `val_` metric of the target kind "
         "(class: loss, accuracy, top5_accuracy with >= 10 classes; multilabel: loss, micro_f1, map; "
         "regression: loss, mae, rmse, r2).",
     )
     early_stopping: EarlyStoppingConfig | None = Field(
         None, description="Stop early on a plateau; null trains every epoch."
+    )
+    checkpoint: CheckpointRetention = Field(
+        default_factory=CheckpointRetention,
+        description="Checkpoint retention: how many per-epoch checkpoints are kept, ranked by which metric.",
     )
     activation_checkpointing: bool = Field(
         False,

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import ray.train
 
-from cascade_ray.config.metrics import checkpoint_metric, metric_mode
+from cascade_ray.config.metrics import retention_metric
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.constants import FAULT_ONCE_ENV
 from cascade_ray.errors import CascadeError, ResourceError
@@ -25,7 +25,7 @@ from cascade_ray.models.plan import known_plans
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.failures import stage_failure
 from cascade_ray.pipeline.trainer import StageTrainer
-from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status
+from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status, unreadable_run_errors
 from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
 from cascade_ray.storage import StorageDir, full_uri
@@ -65,7 +65,8 @@ def resumable_run(ray_dir: StorageDir, stage: StageConfig, index: int, fingerpri
     name = f"{prefix}-a{taken[-1]}"
     try:
         result = ray.train.Result.from_path(full_uri(ray_dir / name))
-    except (RuntimeError, OSError, ValueError):  # no checkpoint snapshot: the run never got to one
+    # no checkpoint snapshot (the run never got to one), or one naming a deleted checkpoint (save_last: false)
+    except (*unreadable_run_errors(), OSError, ValueError):
         return None
     if result.checkpoint is None:
         return None
@@ -332,6 +333,7 @@ def fit_stage(
     use_gpu = resolve_use_gpu(stage, cluster_view())
     pipeline = cfg.model_dump(mode="json")
     pipeline["stages"][index]["scaling"]["use_gpu"] = use_gpu  # workers see the decision, not `auto`
+    score = retention_metric(cfg, stage)
     trainer = StageTrainer(
         train_loop,
         train_loop_config={
@@ -365,10 +367,11 @@ def fit_stage(
             ),  # Ray Train's own INFO lines only with --log-level debug
             # a crashed worker restarts the group from the latest checkpoint (trainer state included)
             failure_config=ray.train.FailureConfig(max_failures=stage.max_failures),
+            # the top_k best by train.checkpoint.metric; Ray keeps the newest as well while it trains
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=1,
-                checkpoint_score_attribute=checkpoint_metric(cfg, stage),
-                checkpoint_score_order=metric_mode(checkpoint_metric(cfg, stage)),
+                num_to_keep=stage.train.checkpoint.top_k,
+                checkpoint_score_attribute=score[0],
+                checkpoint_score_order=score[1],
             ),
         ),
     )
@@ -377,6 +380,34 @@ def fit_stage(
     except ray.train.WorkerGroupError as exc:
         failures = exc.worker_failures.values()
         raise _cascade_cause(exc) or stage_failure(failures, stage.name, index, str(ray_dir)) or exc from None
+
+
+def kept_checkpoints(result: ray.train.Result) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:
+    """Every checkpoint a fit kept, oldest first, with the metrics it was reported with: the
+    ``train.checkpoint.top_k`` best, and the newest when it is not among them (``save_last``)."""
+    kept = list(result.best_checkpoints or [])
+    return sorted(kept, key=lambda pair: pair[1].get("epoch", 0))
+
+
+def best_checkpoints(
+    result: ray.train.Result, metric: str, mode: str, top_k: int
+) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:
+    """The `top_k` best of `result`'s kept checkpoints by `metric` (`mode`: min/max), best first;
+    ties go to the later epoch, as Ray Train keeps them."""
+    scored = [pair for pair in kept_checkpoints(result) if metric in pair[1]]
+    sign = -1.0 if mode == "max" else 1.0
+    return sorted(scored, key=lambda pair: (sign * float(pair[1][metric]), -pair[1].get("epoch", 0)))[:top_k]
+
+
+def drop_last_checkpoint(result: ray.train.Result, metric: str, mode: str, top_k: int) -> bool:
+    """``train.checkpoint.save_last: false``: delete a finished fit's newest checkpoint unless it is
+    one of the `top_k` best (Ray Train keeps the newest until the fit ends, to restart from).
+    True when one was deleted."""
+    latest = result.checkpoint
+    if latest is None or any(c.path == latest.path for c, _ in best_checkpoints(result, metric, mode, top_k)):
+        return False
+    latest.filesystem.delete_dir(latest.path)
+    return True
 
 
 def _stream_args(stream: Any) -> dict[str, Any]:

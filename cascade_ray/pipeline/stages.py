@@ -21,7 +21,7 @@ import ray
 import ray.train
 
 from cascade_ray import __version__
-from cascade_ray.config.metrics import checkpoint_metric, metric_mode
+from cascade_ray.config.metrics import retention_metric
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.splits import DataInfo
@@ -35,7 +35,7 @@ from cascade_ray.models.weights import NumpyState, state_digests
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
-from cascade_ray.pipeline.fit import fit_stage, resumable_run, unique_run_name
+from cascade_ray.pipeline.fit import drop_last_checkpoint, fit_stage, resumable_run, unique_run_name
 from cascade_ray.pipeline.imported import import_stage
 from cascade_ray.pipeline.records import ManifestFields, StageRecord
 from cascade_ray.pipeline.stream_cache import StreamedCache, prepare_streamed_cache
@@ -89,7 +89,13 @@ def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str
     and the sha256 of its pretrained file's bytes (a changed file never reuses an old artifact)."""
     stage = cfg.stages[index].model_dump(mode="json")
     stage.pop("freeze", None)  # how the inputs are computed (feature cache), not what is trained
+    # how many checkpoints are kept changes no weights; which one becomes the artifact does, so a
+    # non-default ranking enters (and the default leaves every fingerprint as it was)
+    retention = stage["train"].pop("checkpoint", {})
+    ranking = {k: retention[k] for k in ("metric", "mode") if retention.get(k, "auto") != "auto"}
     parts = {"stage": stage, "parent": parent, "data": data_fp, "seed": cfg.seed, "version": __version__}
+    if ranking:
+        parts["checkpoint"] = ranking
     pretrained = cfg.stages[index].pretrained
     if pretrained is not None:  # only then, so other stages keep the fingerprints they had
         parts["pretrained_sha256"] = pretrained_sha256(pretrained.path)
@@ -210,8 +216,8 @@ class StageSession:
         read back from storage, e.g. a Tune trial, passes it in).
         """
         stage = self.cfg.stages[index]
-        metric = checkpoint_metric(self.cfg, stage)
-        best = result.get_best_checkpoint(metric, metric_mode(metric))
+        metric, mode = retention_metric(self.cfg, stage)
+        best = result.get_best_checkpoint(metric, mode)
         with best.as_directory() as ckpt:
             state = read_checkpoint(ckpt)
             metrics = json.loads((Path(ckpt) / CHECKPOINT_STATE).read_text())
@@ -245,7 +251,7 @@ class StageSession:
             **{k: outcome.get(k) for k in DEVICE_KEYS},
         )
         cache = self.cache_of(index)
-        return self._persist(
+        done = self._persist(
             index,
             state,
             fields,
@@ -255,6 +261,9 @@ class StageSession:
             resumed_from_epoch=outcome.get("resumed_from_epoch"),
             startup=outcome.get("startup"),
         )
+        if not stage.train.checkpoint.save_last:  # only now: the artifact is durable, nothing resumes the run
+            drop_last_checkpoint(result, metric, mode, stage.train.checkpoint.top_k)
+        return done
 
     def _persist(
         self, index: int, state: NumpyState, fields: ManifestFields, status: str, started: float, **extra: Any

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cascade_ray.config.metrics import checkpoint_metric, metric_mode
+from cascade_ray.config.metrics import retention_metric
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows
@@ -50,6 +50,7 @@ from cascade_ray.models.plan import remember_plans
 from cascade_ray.solver import EarlyStopping, clip_gradients
 from cascade_ray.stage.loop import Reporter
 from cascade_ray.stage.monitor import HealthMonitor
+from cascade_ray.stage.progress import format_trial
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 
 
@@ -68,7 +69,7 @@ class Replica:
     history: list[dict[str, float]] = field(default_factory=list)
     step: int = 0
     done: bool = False
-    best_score: float | None = None  # by the stage's checkpoint metric (train.metric)
+    best_score: float | None = None  # by the stage's checkpoint metric (train.checkpoint.metric)
     best_epoch: int = 0
     best_own: dict[str, torch.Tensor] | None = None  # the stage's own tensors at best_score
     error: str | None = None  # the health rule that failed this replica (then done, never the best)
@@ -121,7 +122,7 @@ def run_batched(
     the best replica.
 
     The one report (rank 0 checkpoints) carries the best replica's weights at its best epoch by
-    ``train.metric``; the best replica is the one whose best epoch by `metric` (`mode`: max/min)
+    ``train.checkpoint.metric``; the best replica is the one whose best epoch by `metric` (`mode`: max/min)
     is best, as Tune's ``get_best_result(scope="all")`` picks a trial.
     """
     replicas = train_replicas(
@@ -179,8 +180,8 @@ def train_replicas(
     replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap) for cfg in cfgs]
     train_src = ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device)
     val_src = ArraySource(features["x_val"], data.y_val, 0.0, 1.0, device)
-    ckpt_metric = checkpoint_metric(cfgs[0], base)
-    better = (lambda a, b: a > b) if metric_mode(ckpt_metric) == "max" else (lambda a, b: a < b)
+    ckpt_metric, ckpt_mode = retention_metric(cfgs[0], base)  # as a lone stage picks its artifact
+    better = (lambda a, b: a > b) if ckpt_mode == "max" else (lambda a, b: a < b)
     if base.train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
         _evaluate(replicas, val_src, reporter, prefix="sanity_", max_batches=base.train.sanity_val_steps)
     for epoch in range(base.train.epochs):
@@ -224,13 +225,31 @@ def train_replicas(
             r.setup.scheduler.step_epoch(metrics)
             r.done = r.stopper.update(metrics)
         if reporter.rank == 0:
-            top = max(live, key=lambda r: r.history[-1][metric] * (1 if mode == "max" else -1))
-            print(
-                f"[{base.name}] batched epoch {epoch + 1}/{base.train.epochs}: {len(live)} replicas, "
-                f"best {metric} {top.history[-1][metric]:.4f} (replica {replicas.index(top)})",
-                flush=True,
-            )
+            _print_replicas(base.name, replicas, epoch + 1, base.train.epochs, metric, mode)
     return replicas
+
+
+def _print_replicas(stage: str, replicas: list[Replica], epoch: int, epochs: int, metric: str, mode: str) -> None:
+    """The sweep's progress lines at an epoch end: one per replica, as a Tune sweep's one per trial
+    (:func:`cascade_ray.stage.progress.format_trial`), prefixed with the stage (``--log-level warning`` hides them)."""
+    sign = 1.0 if mode == "max" else -1.0
+    bests = {id(r): max((h[metric] for h in r.history), key=lambda v: sign * v, default=None) for r in replicas}
+    scored = [r for r in replicas if bests[id(r)] is not None]
+    leader = max(scored, key=lambda r: sign * bests[id(r)], default=None)
+    for k, r in enumerate(replicas):
+        state = "ERROR" if r.error is not None else "TERMINATED" if r.done or epoch == epochs else "RUNNING"
+        last = r.history[-1] if r.history else {}
+        line = format_trial(
+            f"replica-{k}",
+            state,
+            metric=metric,
+            epoch=last.get("epoch"),
+            epochs=epochs,
+            value=last.get(metric),
+            best=bests[id(r)],
+            leader=r is leader,
+        )
+        print(f"[{stage}] {line}", flush=True)
 
 
 def _replica(cfg, index, data, upstream, reporter, device, wrap) -> Replica:

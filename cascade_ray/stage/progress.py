@@ -363,3 +363,27 @@ class ProgressSession:
         except Exception:  # noqa: BLE001 - Ray already gone
             pass
         self.board = None
+
+
+def format_trial(
+    trial: str,
+    state: str,
+    *,
+    metric: str,
+    epoch: int | None = None,
+    epochs: int | None = None,
+    value: float | None = None,
+    best: float | None = None,
+    leader: bool = False,
+) -> str:
+    """One sweep line per trial (a Tune trial, or a replica of a batched sweep), e.g.
+    ``trial 3f2a_00001 RUNNING    | epoch 2/4 | val_accuracy 0.9132 | best 0.9200 *``;
+    ``*`` marks the trial holding the sweep's best so far, ``-`` what is not known yet."""
+
+    def num(x: float | None) -> str:
+        return f"{x:.4f}" if x is not None and math.isfinite(x) else "-"
+
+    done = f"{epoch if epoch is not None else 0}/{epochs if epochs is not None else '?'}"
+    return (
+        f"trial {trial} {state:<10} | epoch {done} | {metric} {num(value)} | best {num(best)}{' *' if leader else ''}"
+    )

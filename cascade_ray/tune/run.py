@@ -19,6 +19,7 @@ import yaml
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError
+from cascade_ray.logs import print_guard, set_print_guard
 from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.storage import StorageDir, full_uri, write_table
@@ -102,7 +103,11 @@ def sweep_stage(
         stream=(cache or session.stream) if streamed else None,
         trust_state=trust_state,
     )
-    grid = tuner.fit()
+    guard = print_guard()
+    try:
+        grid = tuner.fit()
+    finally:  # a sweep that raised leaves no trial block's print guard behind (SweepProgress on a TTY)
+        set_print_guard(guard)
     write_state(exp_dir)  # Ray's final state is synced by now: what a later --resume verifies
     frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)
     errors = [r.error for r in grid if r.error is not None]

@@ -29,6 +29,7 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import fit_stage, worker_resources
 from cascade_ray.ray_compat import uncount_asha_stop, wait_for_tune_reports_taken
 from cascade_ray.storage import StorageDir, as_storage, full_uri
+from cascade_ray.tune.progress import SweepProgress
 from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
 from cascade_ray.tune.state import StateDigestCallback, verify_state
 
@@ -225,6 +226,7 @@ def build_tuner(
         plans=known_plans(),
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
+    show_progress = (options or RunOptions()).show_progress  # not with --log-level warning
     if resume:
         verify_state(exp_dir, trust_state=trust_state)  # before Ray opens a byte of it
     if resume and tune.Tuner.can_restore(full_uri(exp_dir / "tune")):
@@ -260,6 +262,10 @@ def build_tuner(
             reuse_actors=True,
         ),
         run_config=tune.RunConfig(
-            name="tune", storage_path=full_uri(exp_dir), verbose=0, callbacks=[StateDigestCallback(exp_dir)]
+            name="tune",
+            storage_path=full_uri(exp_dir),
+            verbose=0,  # Tune's own table off: SweepProgress shows one line per trial instead
+            callbacks=[StateDigestCallback(exp_dir)]
+            + ([SweepProgress(space.metric, space.mode, stage.train.epochs)] if show_progress else []),
         ),
     )

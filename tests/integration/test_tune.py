@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pickle
 import shutil
@@ -40,8 +42,13 @@ def sweep(ray_session, tmp_path_factory):
     space.write_text(SPACE)
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp}", "stages.encoder.scaling.num_workers=1"])
     started = time.perf_counter()
-    summary = run_pipeline(cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lambda _: None)
+    out = io.StringIO()  # the driver's stdout (no TTY): the sweep's progress lines
+    with contextlib.redirect_stdout(out):
+        summary = run_pipeline(
+            cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lambda _: None
+        )
     summary["test_elapsed_s"] = time.perf_counter() - started
+    (tmp / "driver_stdout.txt").write_text(out.getvalue())
     return cfg, summary, tmp
 
 
@@ -67,6 +74,22 @@ def test_sweep_table_is_sorted_and_complete(sweep):
     assert record["metrics"]["val_accuracy"] == pytest.approx(scores[0])
     # evaluate_current: one trial ran the stage's own values, so the sweep cannot do worse
     assert any(row["config/solver.lr"] == pytest.approx(1e-2) and row["config/loss.scale"] == 1.0 for row in table)
+
+
+def test_the_driver_shows_each_trials_progress_in_plain_lines(sweep):
+    """Job logs (no TTY): a line per trial at each state or epoch change, its last one TERMINATED
+    with the trial's best val_accuracy, as the results table has it."""
+    cfg, summary, tmp = sweep
+    epochs = cfg.stages[1].train.epochs
+    lines = (tmp / "driver_stdout.txt").read_text().splitlines()
+    table = pq.read_table(summary["stages"][1]["sweep"]["results"]).to_pylist()
+    for row in table:
+        mine = [line for line in lines if line.startswith(f"trial {row['trial_id']} ")]
+        assert 2 <= len(mine) <= len(("PENDING", "RUNNING", "TERMINATED")) + epochs, mine  # never one per step
+        assert mine[-1].startswith(f"trial {row['trial_id']} TERMINATED | epoch {epochs}/{epochs} | val_accuracy ")
+        assert f"| best {row['val_accuracy']:.4f}" in mine[-1], (mine[-1], row)
+        assert any(f"RUNNING    | epoch {e}/{epochs} |" in line for line in mine for e in range(1, epochs + 1))
+    assert sum(line.endswith(" *") for line in lines if " TERMINATED " in line) >= 1  # the sweep's leader
 
 
 def test_every_trial_read_the_same_upstream_object(sweep):

@@ -158,6 +158,7 @@ MODULE_GONE = [
     ("detected_cpus", lambda: ray_compat.detected_cpus(), float(os.cpu_count() or 1)),
     ("pin_deployment_version", lambda: ray_compat.pin_deployment_version(object(), "v1"), False),
     ("worker_failure_cause", lambda: ray_compat.worker_failure_cause(RuntimeError("x")), None),
+    ("unreadable_run_errors", ray_compat.unreadable_run_errors, (RuntimeError,)),
 ]
 SEPARATELY_TESTED = {"LeanTorchTrainer", "quick_stop_cleaner_class", "uncount_asha_stop"}
 
