@@ -46,6 +46,8 @@ from cascade_ray.solver.precision import precision_config_issues
 from cascade_ray.stage.progress import ProgressSession
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, staged_dir, storage_root
 from cascade_ray.storage_lock import display, hold_run_lock
+from cascade_ray.tracking import TrackingContext
+from cascade_ray.tracking.pipeline_run import PipelineTracking
 
 
 def run_dir(cfg: PipelineConfig) -> StorageDir:
@@ -112,7 +114,9 @@ def run_pipeline(
         finished = not (options.resume or options.overwrite or options.stop_after) and (out / "summary.json").exists()
         if finished:
             raise RunFinishedError(display(out))
-        return _run_locked(cfg, options, runners, out, data, log)
+        # the MLflow parent run / W&B group: opened once the input is known good, ended FINISHED or FAILED
+        with PipelineTracking(cfg, out, log) as tracking:
+            return _run_locked(cfg, options, runners, out, data, log, tracking.context() if cfg.loggers.any else None)
 
 
 def _run_locked(
@@ -122,6 +126,7 @@ def _run_locked(
     out: StorageDir,
     data: DataSplits | StreamedData,
     log: Callable[[str], None],
+    tracking: TrackingContext | None = None,
 ) -> dict[str, Any]:
     """The run itself, under the run lock: Ray, every stage, the composed-model test, the outputs."""
     if not ray.is_initialized() and not (options.address or os.environ.get("RAY_ADDRESS")):
@@ -149,6 +154,7 @@ def _run_locked(
             stream=stream,
             options=options,
             board=progress.board,
+            tracking=tracking,
         )
         upstream: Handoff | None = None
         records = []

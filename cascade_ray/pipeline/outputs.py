@@ -58,7 +58,8 @@ def write_run_outputs(
             pq.write_table(_table(rows), out / METRICS_DIR / f"{record['name']}.parquet")
             tables[record["name"]] = rows
     pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
-    events = write_tensorboard(out, tables, log)
+    # loggers.tensorboard: rank 0 wrote each fitted stage's events live; only the others (reused) here
+    events = write_tensorboard(out, tables, log, keep_live=cfg.loggers.tensorboard)
     return events if events is not None and events.is_dir() else None
 
 

@@ -21,9 +21,13 @@ _NOT_SCALARS = ("stage", "kind", "epoch", "step")
 
 
 def write_tensorboard(
-    out: Path, tables: Mapping[str, list[dict[str, Any]]], log: Callable[[str], None] = print
+    out: Path, tables: Mapping[str, list[dict[str, Any]]], log: Callable[[str], None] = print, keep_live: bool = False
 ) -> Path | None:
-    """Write one event-file folder per stage; return ``{out}/tensorboard``, or None without tensorboard."""
+    """Write one event-file folder per stage; return ``{out}/tensorboard``, or None without tensorboard.
+
+    `keep_live` (``loggers.tensorboard: true``): a stage folder already holding event files was
+    written live by the stage's rank 0 (:mod:`cascade_ray.tracking.tensorboard_live`) and is kept.
+    """
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
@@ -33,6 +37,8 @@ def write_tensorboard(
         return None
     root = out / TENSORBOARD_DIR
     for stage, rows in tables.items():
+        if keep_live and any((root / stage).glob("events.out.tfevents*")):
+            continue
         # the folder mirrors metrics/<stage>.parquet: a rerun into the same run folder replaces
         # it (event files are appended to, so TensorBoard would show every point twice)
         shutil.rmtree(root / stage, ignore_errors=True)
