@@ -1,0 +1,128 @@
+"""The loggers: section: schema, the probes validate runs before Ray, the one-warning guard,
+and that nothing imports mlflow or wandb unless a config asks for them. No server, no Ray."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from cascade_ray.checks import validate_config
+from cascade_ray.checks.reach import reach_issues
+from cascade_ray.errors import ConfigError
+from cascade_ray.tracking import Loggers, flatten, scalars
+
+
+def dead_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_loggers(raw, tmp_path, **loggers):
+    raw["storage_path"] = str(tmp_path)
+    raw["loggers"] = loggers
+    return validate_config(raw)
+
+
+def test_unknown_logger_keys_and_modes_name_the_key(debug_raw, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        with_loggers(
+            debug_raw,
+            tmp_path,
+            mlflow={"tracking_uri": "http://x", "experimnt": "a"},
+            wandb={"project": "p", "mode": "offlin"},
+        )
+    text = str(info.value)
+    assert "loggers.mlflow.experimnt" in text and "experiment" in text
+    assert "loggers.wandb.mode" in text and "offline" in text
+
+
+def test_an_mlflow_server_that_does_not_answer_fails_validation_naming_the_uri_key(debug_raw, tmp_path):
+    cfg = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": f"http://127.0.0.1:{dead_port()}"})
+    issues = [i for i in reach_issues(cfg) if i.path.startswith("loggers")]
+    assert [i.path for i in issues] == ["loggers.mlflow.tracking_uri"]
+    assert "cannot be reached" in issues[0].message and "mlflow server" in issues[0].fix
+
+
+def test_a_local_mlflow_store_needs_no_server(debug_raw, tmp_path):
+    cfg = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": f"file://{tmp_path / 'mlruns'}"}, tensorboard=True)
+    assert [i for i in reach_issues(cfg) if i.path.startswith("loggers")] == []
+
+
+def test_wandb_online_without_its_server_suggests_offline(debug_raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{dead_port()}")
+    cfg = with_loggers(debug_raw, tmp_path, wandb={"project": "p"})
+    issues = [i for i in reach_issues(cfg) if i.path.startswith("loggers")]
+    assert [i.path for i in issues] == ["loggers.wandb.mode"] and "offline" in issues[0].fix
+    offline = with_loggers(debug_raw, tmp_path, wandb={"project": "p", "mode": "offline"})
+    assert [i for i in reach_issues(offline) if i.path.startswith("loggers")] == []
+
+
+class Flaky:
+    name = "flaky"
+
+    def __init__(self):
+        self.rows = []
+
+    def log(self, group, row):
+        if len(self.rows) == 1:
+            raise ConnectionError("server went away")
+        self.rows.append((group, row["step"]))
+
+    def close(self, failed):
+        raise AssertionError("a disabled logger is not closed")
+
+
+class Keeper:
+    name = "keeper"
+
+    def __init__(self):
+        self.rows, self.closed = [], None
+
+    def log(self, group, row):
+        self.rows.append((group, row["step"]))
+
+    def close(self, failed):
+        self.closed = failed
+
+
+def test_a_failing_logger_warns_once_and_the_others_go_on():
+    flaky, keeper, lines = Flaky(), Keeper(), []
+    loggers = Loggers([flaky, keeper], "[features] tracking", warn=lines.append)
+    for step in (10, 20, 30):
+        loggers.log("step", {"step": step, "train_loss": 1.0})
+    loggers.close(failed=False)
+    assert flaky.rows == [("step", 10)] and keeper.rows == [("step", 10), ("step", 20), ("step", 30)]
+    assert keeper.closed is False
+    assert len(lines) == 1 and "the flaky logger failed at step 20" in lines[0] and "server went away" in lines[0]
+
+
+def test_rows_and_params_are_flattened_for_the_trackers():
+    assert flatten({"solver": {"lr": 0.01, "betas": [0.9, 0.99]}, "model": None}) == {
+        "solver.lr": "0.01",
+        "solver.betas": "[0.9, 0.99]",
+        "model": "null",
+    }
+    assert scalars({"kind": "step", "epoch": 1, "step": 10, "train_loss": 0.5, "nan": float("nan"), "ok": True}) == {
+        "train_loss": 0.5
+    }
+
+
+def test_validate_imports_no_tracker_package(tmp_path):
+    """validate (schema, semantic checks, reach) of a config without loggers imports neither
+    mlflow nor wandb; the tracking modules import them only when a logger opens."""
+    code = (
+        "import sys;"
+        "from cascade_ray.checks import load_config;"
+        "from cascade_ray.checks.reach import reach_issues;"
+        "import cascade_ray.tracking.stage_runs, cascade_ray.tracking.pipeline_run, cascade_ray.stage.observe;"
+        f"cfg = load_config('pipelines/configs/debug.yaml', ['storage_path={tmp_path}']);"
+        "reach_issues(cfg);"
+        "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
