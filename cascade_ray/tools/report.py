@@ -10,6 +10,7 @@ from cascade_ray.pipeline.outputs import read_metrics, read_predictions
 from cascade_ray.pipeline.records import RunSummary, read_summary
 from cascade_ray.storage import StorageDir, as_storage, staged_dir
 from cascade_ray.tools.plots import plot_confusion, plot_regression, plot_stage
+from cascade_ray.tracking.pipeline_run import log_report
 
 REPORT_DIR = "report"
 
@@ -26,6 +27,9 @@ def build_report(run: str | StorageDir) -> StorageDir:
     metrics = read_metrics(run)
     with staged_dir(run / REPORT_DIR) as out:
         _write_report(run, summary, metrics, out)
+        tracked = log_report(run, out)  # loggers.mlflow: the PNGs join the run's parent run too
+        if tracked is not None:
+            print(f"report: added to mlflow run {tracked}", flush=True)
     return run / REPORT_DIR / "report.md"
 
 

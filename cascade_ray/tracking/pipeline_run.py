@@ -4,7 +4,8 @@ MLflow: the parent run (experiment ``loggers.mlflow.experiment``, name ``run_nam
 pipeline's name), params ``name``, ``seed``, ``data.*``, tags ``cascade.storage`` and the stage
 names; when the run ends, the run's records as artifacts (``summary.json``, ``config.yaml``,
 ``stages/<stage>/manifest.json``, ``metrics/<stage>.parquet``, ``report/*.png`` when present)
-and the status FINISHED or FAILED. W&B: the group every stage run joins, and a ``pipeline`` run
+and the status FINISHED or FAILED; ``{run}/tracking.json`` names the parent run, so ``cascade-ray
+report`` adds its PNGs to it later (:func:`log_report`). W&B: the group every stage run joins, and a ``pipeline`` run
 in it at the end holding the same files and the summary's test metrics.
 
 Errors here are reported once, as on the workers; the pipeline trains on without that tracker.
@@ -25,6 +26,26 @@ from cascade_ray.storage import StorageDir, full_uri, redact
 from cascade_ray.tracking import TrackingContext, describe, flatten
 
 ARTIFACTS = ("summary.json", "config.yaml")
+TRACKING_FILE = "tracking.json"  # the MLflow parent run of the run folder: `cascade-ray report` adds its PNGs
+
+
+def log_report(run: StorageDir, folder: Path, log: Callable[[str], None] = print) -> str | None:
+    """Add the report files in `folder` to the run's MLflow parent run (``report/``), when the run
+    was tracked; return the run id. A tracking server that fails is one warning line, not an error."""
+    record = run / TRACKING_FILE
+    if not record.is_file():
+        return None
+    mlflow_run = json.loads(record.read_text()).get("mlflow") or {}
+    if not mlflow_run.get("run_id"):
+        return None
+    try:
+        from cascade_ray.tracking.mlflow_runs import client
+
+        client(mlflow_run["tracking_uri"]).log_artifacts(mlflow_run["run_id"], str(folder), "report")
+    except Exception as exc:  # noqa: BLE001 - the report is written; only its copy in MLflow is missing
+        log(f"WARNING tracking: the report was not added to mlflow run {mlflow_run['run_id']} ({describe(exc)})")
+        return None
+    return mlflow_run["run_id"]
 
 
 class PipelineTracking:
@@ -54,6 +75,12 @@ class PipelineTracking:
                 )
                 self.parent = run.info.run_id
                 log_params(self.mlflow, self.parent, self._pipeline_params())
+                out.mkdir(parents=True, exist_ok=True)
+                (out / TRACKING_FILE).write_text(
+                    json.dumps(
+                        {"mlflow": {"tracking_uri": redact(settings.tracking_uri), "run_id": self.parent}}, indent=2
+                    )
+                )
                 log(
                     f"tracking: mlflow run {self.parent} in experiment {settings.experiment!r} at {redact(settings.tracking_uri)}"
                 )
