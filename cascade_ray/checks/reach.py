@@ -19,11 +19,8 @@ call :func:`reach_issues` before any Ray resource starts.
 from __future__ import annotations
 
 import importlib.util
-import netrc
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -145,6 +142,9 @@ def logger_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
 
 def mlflow_issues(uri: str) -> list[ConfigIssue]:
     """An ``http(s)`` tracking server answers ``/health``; a ``file:`` / local path can be created."""
+    import urllib.error  # http.client and email: only when a tracker is configured
+    import urllib.request
+
     key, shown = "loggers.mlflow.tracking_uri", redact(uri)
     scheme = urllib.parse.urlsplit(uri).scheme
     if scheme in ("http", "https"):
@@ -208,6 +208,8 @@ def wandb_issues() -> list[ConfigIssue]:
 
 
 def _netrc_has(host: str) -> bool:
+    import netrc
+
     try:
         return netrc.netrc().authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):

@@ -187,3 +187,36 @@ def test_a_tracking_server_stopped_mid_stage_is_reported_once_and_training_goes_
     failed = [line for line in out.splitlines() if "the mlflow logger failed" in line]
     assert len(failed) == 1 and "[features] tracking" in failed[0] and "training goes on" in failed[0], out
     assert len(reporter.reports) == cfg.stages[0].train.epochs and outcome.steps > 0
+
+
+CLASSIFIER_SPACE = """
+stage: classifier
+metric: val_accuracy
+mode: max
+num_samples: 2
+scheduler: {type: fifo}
+space:
+  solver.lr: {loguniform: [1.0e-3, 3.0e-2]}
+"""
+
+
+def test_tune_trials_get_a_nested_run_each(tracked_run, mlflow, tmp_path):
+    """Last in the module: it adds runs to the same run folder (reused upstream, a swept classifier)."""
+    _, _, run, _ = tracked_run
+    space = tmp_path / "classifier.yaml"
+    space.write_text(CLASSIFIER_SPACE)
+    cfg = tracked_config(run.parent, mlflow.uri, experiment="debug-sweep", features=3)
+    options = RunOptions(
+        log_level="warning", resume=True, spaces=(("classifier", str(space)),), stop_after="classifier"
+    )
+    summary = run_pipeline(cfg, options, log=lambda _: None)
+    assert [s["status"] for s in summary["stages"]] == ["reused", "reused", "tuned"]
+    runs = mlflow.runs("debug-sweep")
+    tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
+    (parent,) = [r["info"]["run_id"] for r, t in zip(runs, tags) if "mlflow.parentRunId" not in t]
+    trials = [(r, t) for r, t in zip(runs, tags) if t.get("mlflow.parentRunId") == parent]
+    assert len(trials) == 2 and all(t["cascade.stage"] == "classifier" and t["cascade.trial_id"] for _, t in trials)
+    for r, t in trials:
+        assert r["info"]["run_name"] == f"classifier trial {t['cascade.trial_id']}"
+        history = mlflow.get("metrics/get-history", run_id=r["info"]["run_id"], metric_key="epoch/val_accuracy")
+        assert len(history["metrics"]) == 1

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
-START_TIMEOUT_S = 90.0
+START_TIMEOUT_S = 240.0  # first start migrates the sqlite store; slow on a busy 2-core machine
 
 
 @dataclass
