@@ -58,8 +58,10 @@ def write_run_outputs(
             pq.write_table(_table(rows), out / METRICS_DIR / f"{record['name']}.parquet")
             tables[record["name"]] = rows
     pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
-    # loggers.tensorboard: rank 0 wrote each fitted stage's events live; only the others (reused) here
-    events = write_tensorboard(out, tables, log, keep_live=cfg.loggers.tensorboard)
+    # loggers.tensorboard: rank 0 wrote the events of each stage trained in this run live (a swept
+    # stage's under trial-<id>/); the reused and swept stages' are written here
+    live = {r["name"] for r in records if r["status"] == "trained"} if cfg.loggers.tensorboard else set()
+    events = write_tensorboard(out, tables, log, written_live=live)
     return events if events is not None and events.is_dir() else None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,15 @@ _NOT_SCALARS = ("stage", "kind", "epoch", "step")
 
 
 def write_tensorboard(
-    out: Path, tables: Mapping[str, list[dict[str, Any]]], log: Callable[[str], None] = print, keep_live: bool = False
+    out: Path,
+    tables: Mapping[str, list[dict[str, Any]]],
+    log: Callable[[str], None] = print,
+    written_live: Collection[str] = (),
 ) -> Path | None:
     """Write one event-file folder per stage; return ``{out}/tensorboard``, or None without tensorboard.
 
-    `keep_live` (``loggers.tensorboard: true``): a stage folder already holding event files was
-    written live by the stage's rank 0 (:mod:`cascade_ray.tracking.tensorboard_live`) and is kept.
+    `written_live` (``loggers.tensorboard: true``): stages whose rank 0 wrote their events while
+    they trained (:mod:`cascade_ray.tracking.tensorboard_live`); their folders are left as they are.
     """
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -37,7 +40,7 @@ def write_tensorboard(
         return None
     root = out / TENSORBOARD_DIR
     for stage, rows in tables.items():
-        if keep_live and any((root / stage).glob("events.out.tfevents*")):
+        if stage in written_live:
             continue
         # the folder mirrors metrics/<stage>.parquet: a rerun into the same run folder replaces
         # it (event files are appended to, so TensorBoard would show every point twice)

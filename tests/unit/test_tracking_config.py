@@ -126,3 +126,14 @@ def test_validate_imports_no_tracker_package(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_run_with_an_unreachable_tracking_server_fails_before_ray_starts(debug_raw, tmp_path):
+    import ray
+
+    from cascade_ray.api import run_pipeline
+
+    cfg = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": f"http://127.0.0.1:{dead_port()}"})
+    with pytest.raises(ConfigError, match=r"loggers\.mlflow\.tracking_uri"):
+        run_pipeline(cfg, log=lambda _: None)
+    assert not ray.is_initialized() and not (tmp_path / cfg.name / "ray").exists()
