@@ -163,17 +163,45 @@ def mlflow_issues(uri: str) -> list[ConfigIssue]:
                 key,
                 f"the MLflow server at {shown} {problem}",
                 "start it (`mlflow server --host 127.0.0.1 --port 5000`) or point tracking_uri at a running one; "
-                "a local folder (file:///abs/path) needs no server",
+                "a local database (sqlite:////abs/path/mlflow.db) needs no server",
             )
         ]
+    local_fix = "use a local database (sqlite:////abs/path/mlflow.db) or a tracking server (http://host:5000)"
     if scheme in ("", "file"):
-        path = Path(urllib.parse.urlsplit(uri).path if scheme else uri).expanduser()
-        existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        if _file_store_refused():
             return [
-                ConfigIssue(key, f"{shown}: {existing} is not a writable folder", "point it at a folder you can write")
+                ConfigIssue(
+                    key,
+                    f"{shown} is a folder store, which the installed mlflow refuses (it is in maintenance mode)",
+                    f"{local_fix}; or set MLFLOW_ALLOW_FILE_STORE=true on the driver and the workers",
+                )
             ]
-    return []  # other stores (databricks, a database URI) are MLflow's to check
+        path = Path(urllib.parse.urlsplit(uri).path if scheme else uri).expanduser()
+    elif scheme == "sqlite":
+        if not uri.startswith("sqlite:////"):  # sqlite:///rel/path is relative to each process's working dir
+            return [ConfigIssue(key, f"{shown} is a relative path", "give it as sqlite:////abs/path/mlflow.db")]
+        path = Path(uri.removeprefix("sqlite:///")).parent
+    else:
+        return []  # other stores (databricks, postgresql, ...) are MLflow's to check
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return [ConfigIssue(key, f"{shown}: {existing} is not a writable folder", "point it at a folder you can write")]
+    return []
+
+
+def _file_store_refused() -> bool:
+    """Whether the installed mlflow refuses folder stores unless MLFLOW_ALLOW_FILE_STORE is set
+    (newer 3.x releases): read from its source, as importing mlflow takes seconds."""
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
+        return False
+    spec = importlib.util.find_spec("mlflow")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    env_vars = Path(next(iter(spec.submodule_search_locations))) / "environment_variables.py"
+    try:
+        return "MLFLOW_ALLOW_FILE_STORE" in env_vars.read_text()
+    except OSError:
+        return False
 
 
 def wandb_issues() -> list[ConfigIssue]:

@@ -738,8 +738,9 @@ class MlflowLoggerConfig(_Strict):
 
     tracking_uri: str = Field(
         min_length=1,
-        description="The MLflow tracking server (`http://host:5000`, `https://...`), or a `file:` URI / "
-        "local folder (no server). A server must answer before Ray starts: validate and every run probe it.",
+        description="The MLflow tracking server (`http://host:5000`, `https://...`), or a local database "
+        "(`sqlite:////abs/path/mlflow.db`, one machine only: every worker writes to it). A server must answer "
+        "before Ray starts: validate and every run probe it.",
     )
     experiment: str = Field(
         "cascade-ray", min_length=1, description="MLflow experiment the runs go to (created when missing)."

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from cascade_ray.constants import MLFLOW_HTTP_ENV_DEFAULTS
@@ -30,10 +31,17 @@ def client(tracking_uri: str) -> Any:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def experiment_id(mlflow: Any, name: str) -> str:
-    """The id of experiment `name`, created when missing."""
+def experiment_id(mlflow: Any, name: str, tracking_uri: str) -> str:
+    """The id of experiment `name`, created when missing; with a local database
+    (``sqlite:////abs/mlflow.db``) its artifacts go next to it (``mlartifacts/``), not to
+    MLflow's default ``./mlruns`` of whatever folder the driver runs in."""
     found = mlflow.get_experiment_by_name(name)
-    return found.experiment_id if found is not None else mlflow.create_experiment(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if tracking_uri.startswith("sqlite:///"):
+        location = (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+    return mlflow.create_experiment(name, artifact_location=location)
 
 
 def log_params(mlflow: Any, run_id: str, params: Mapping[str, str]) -> None:

@@ -63,7 +63,7 @@ class PipelineTracking:
                 from cascade_ray.tracking.mlflow_runs import client, experiment_id, log_params
 
                 self.mlflow = client(settings.tracking_uri)
-                self.experiment = experiment_id(self.mlflow, settings.experiment)
+                self.experiment = experiment_id(self.mlflow, settings.experiment, settings.tracking_uri)
                 run = self.mlflow.create_run(
                     self.experiment,
                     run_name=settings.run_name or cfg.name,

@@ -48,9 +48,15 @@ def test_an_mlflow_server_that_does_not_answer_fails_validation_naming_the_uri_k
     assert "cannot be reached" in issues[0].message and "mlflow server" in issues[0].fix
 
 
-def test_a_local_mlflow_store_needs_no_server(debug_raw, tmp_path):
-    cfg = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": f"file://{tmp_path / 'mlruns'}"}, tensorboard=True)
-    assert [i for i in reach_issues(cfg) if i.path.startswith("loggers")] == []
+def test_a_local_mlflow_database_needs_no_server_and_a_refused_folder_store_is_an_error(debug_raw, tmp_path):
+    local = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    assert [i for i in reach_issues(local) if i.path.startswith("loggers")] == []
+    relative = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": "sqlite:///mlflow.db"})
+    assert [i.path for i in reach_issues(relative)] == ["loggers.mlflow.tracking_uri"]
+    # mlflow 3.x refuses folder stores (./mlruns) unless MLFLOW_ALLOW_FILE_STORE is set
+    folder = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": f"file://{tmp_path / 'mlruns'}"})
+    issues = [i for i in reach_issues(folder) if i.path.startswith("loggers")]
+    assert [i.path for i in issues] == ["loggers.mlflow.tracking_uri"] and "sqlite:///" in issues[0].fix
 
 
 def test_wandb_online_without_its_server_suggests_offline(debug_raw, tmp_path, monkeypatch):
@@ -137,3 +143,35 @@ def test_a_run_with_an_unreachable_tracking_server_fails_before_ray_starts(debug
     with pytest.raises(ConfigError, match=r"loggers\.mlflow\.tracking_uri"):
         run_pipeline(cfg, log=lambda _: None)
     assert not ray.is_initialized() and not (tmp_path / cfg.name / "ray").exists()
+
+
+def test_a_failed_run_ends_its_parent_run_failed_in_a_local_mlflow_store(debug_raw, tmp_path, digits):
+    """The driver's pipeline run and rank 0's stage run against MLflow's local file store (no
+    server): the stage run holds the step rows as they were logged; an error ends both FAILED."""
+    import torch
+    from fakes import ListReporter
+    from mlflow.tracking import MlflowClient
+
+    from cascade_ray.stage.loop import run_stage
+    from cascade_ray.stage.observe import observer_hooks
+    from cascade_ray.tracking.pipeline_run import PipelineTracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    debug_raw["stages"][0]["train"]["epochs"] = 1
+    cfg = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": uri, "experiment": "local"})
+    with (
+        pytest.raises(RuntimeError, match="a stage broke"),
+        PipelineTracking(cfg, tmp_path / cfg.name, log=print) as run,
+    ):
+        hooks, finish = observer_hooks({"tracking": run.context().to_dict()}, cfg, 0, 0, 1, torch.device("cpu"))
+        reporter = ListReporter()
+        run_stage(cfg, 0, digits, None, reporter, torch.device("cpu"), hooks=hooks)
+        finish(True)
+        raise RuntimeError("a stage broke")
+    client = MlflowClient(uri)
+    parent = client.get_run(run.parent)
+    assert parent.info.status == "FAILED" and parent.data.params["seed"] == "0"
+    (child,) = client.search_runs([run.experiment], f"tags.`mlflow.parentRunId` = '{run.parent}'")
+    assert child.info.status == "FAILED" and child.data.params["solver.type"] == "AdamW"
+    steps = [m.step for m in client.get_metric_history(child.info.run_id, "step/train_loss")]
+    assert steps == [r["step"] for r in reporter.trainers[-1]["history"][0]["steps"]] and steps
