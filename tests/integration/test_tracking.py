@@ -15,6 +15,7 @@ import torch
 from fakes import ListReporter
 from mlflow_server import start_mlflow
 from paths import CONFIGS
+from wandb_records import offline_run
 
 from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import validate_config
@@ -155,16 +156,28 @@ def test_tensorboard_events_are_readable_while_the_stage_still_trains(tracked_ru
 
 
 def test_wandb_offline_runs_are_written_under_the_run_folder(tracked_run):
-    cfg, _, run, _ = tracked_run
-    folders = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(folders) == len(cfg.stages) + 1  # a run per stage, and the pipeline's own
-    configs = [(f / "files" / "config.yaml").read_text() for f in folders]
-    summaries = [json.loads((f / "files" / "wandb-summary.json").read_text()) for f in folders]
-    stage_summaries = [s for s in summaries if "step/train_loss" in s]
-    assert len(stage_summaries) == len(cfg.stages)
-    assert all("epoch/val_loss" in s and s["cascade.status"] == "trained" for s in stage_summaries)
-    assert sum("cascade.fingerprint" in c for c in configs) == len(cfg.stages)
-    assert any("test/loss" in s for s in summaries)  # the pipeline run's test metrics
+    cfg, summary, run, _ = tracked_run
+    runs = [offline_run(f) for f in sorted((run / "wandb").glob("offline-run-*"))]
+    assert len(runs) == len(cfg.stages) + 1  # a run per stage, and the pipeline's own
+    (group,) = {r["group"] for r in runs}
+    assert group.startswith(f"{cfg.name}-")
+    by_name = {r["name"]: r for r in runs if r["job_type"] == "stage"}
+    assert sorted(by_name) == sorted(s.name for s in cfg.stages)
+    for stage, record in zip(cfg.stages, summary["stages"]):
+        logged = by_name[stage.name]
+        assert logged["config"]["cascade.fingerprint"] == record["fingerprint"]
+        assert logged["config"]["solver.lr"] == stage.solver.lr
+        assert logged["summary"]["cascade.status"] == "trained"
+        rows = pq.read_table(run / "metrics" / f"{stage.name}.parquet").to_pylist()
+        steps = [h["train_step"] for h in logged["history"] if "step/train_loss" in h]
+        assert steps == [r["step"] for r in rows if r["kind"] == "step"]
+        assert sum("epoch/val_loss" in h for h in logged["history"]) == stage.train.epochs
+    (pipeline,) = [r for r in runs if r["job_type"] == "pipeline"]
+    assert pipeline["summary"]["test/loss"] == pytest.approx(summary["test_loss"])
+    saved = {
+        p.relative_to(f).as_posix() for f in (run / "wandb").glob("offline-run-*") for p in f.rglob("files/*.json")
+    }
+    assert {"files/summary.json"} <= saved
 
 
 def test_a_tracking_server_stopped_mid_stage_is_reported_once_and_training_goes_on(digits, tmp_path, capsys):

@@ -30,14 +30,14 @@ class MlflowServer:
     proc: subprocess.Popen
     log: Path
 
-    def get(self, path: str, **query: Any) -> dict[str, Any]:
-        url = f"{self.uri}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}"
+    def get(self, endpoint: str, **query: Any) -> dict[str, Any]:
+        url = f"{self.uri}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(query)}"
         with urllib.request.urlopen(url, timeout=10) as reply:
             return json.loads(reply.read())
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
-            f"{self.uri}/api/2.0/mlflow/{path}",
+            f"{self.uri}/api/2.0/mlflow/{endpoint}",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
