@@ -80,16 +80,23 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"solver": {"lr": 0.01}}`` -> ``{"solver.lr": "0.01"}``; lists stay whole (as text)."""
-    out: dict[str, str] = {}
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"solver": {"lr": 0.01}}`` -> ``{"solver.lr": 0.01}``; lists and empty mappings stay whole.
+
+    W&B keeps the values' types; MLflow params are text (:func:`param_text`)."""
+    out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
             out |= flatten(value, f"{name}.")
         else:
-            out[name] = "null" if value is None else str(value)
+            out[name] = value
     return out
+
+
+def param_text(value: Any) -> str:
+    """A flattened value as an MLflow param: ``null`` for None, else ``str``."""
+    return "null" if value is None else str(value)
 
 
 class Loggers:

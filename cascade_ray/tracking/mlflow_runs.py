@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cascade_ray.constants import MLFLOW_HTTP_ENV_DEFAULTS
-from cascade_ray.tracking import scalars
+from cascade_ray.tracking import param_text, scalars
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_CHARS = 6000
@@ -44,11 +44,11 @@ def experiment_id(mlflow: Any, name: str, tracking_uri: str) -> str:
     return mlflow.create_experiment(name, artifact_location=location)
 
 
-def log_params(mlflow: Any, run_id: str, params: Mapping[str, str]) -> None:
-    """Every param, in batches MLflow accepts (long values cut at MLflow's limit)."""
+def log_params(mlflow: Any, run_id: str, params: Mapping[str, Any]) -> None:
+    """Every param as text, in batches MLflow accepts (long values cut at MLflow's limit)."""
     from mlflow.entities import Param
 
-    items = [Param(k, v[:MAX_PARAM_CHARS]) for k, v in params.items()]
+    items = [Param(k, param_text(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
     for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
         mlflow.log_batch(run_id, params=items[start : start + MAX_PARAMS_PER_BATCH])
 
@@ -64,7 +64,7 @@ class MlflowStageLogger:
         experiment: str,
         parent: str,
         run_name: str,
-        params: Mapping[str, str],
+        params: Mapping[str, Any],
         tags: Mapping[str, str],
     ):
         self.mlflow = client(tracking_uri)

@@ -128,7 +128,7 @@ class PipelineTracking:
                 except Exception as exc:  # noqa: BLE001 - as above
                     self._warn("wandb", "could not write the pipeline run", exc)
 
-    def _pipeline_params(self) -> dict[str, str]:
+    def _pipeline_params(self) -> dict[str, Any]:
         raw = self.cfg.model_dump(mode="json")
         raw["storage_path"] = redact(raw["storage_path"])
         return flatten({k: v for k, v in raw.items() if k not in ("stages", "loggers")})

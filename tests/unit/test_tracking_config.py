@@ -12,7 +12,7 @@ import pytest
 from cascade_ray.checks import validate_config
 from cascade_ray.checks.reach import reach_issues
 from cascade_ray.errors import ConfigError
-from cascade_ray.tracking import Loggers, flatten, scalars
+from cascade_ray.tracking import Loggers, flatten, param_text, scalars
 
 
 def dead_port() -> int:
@@ -108,11 +108,9 @@ def test_a_failing_logger_warns_once_and_the_others_go_on():
 
 
 def test_rows_and_params_are_flattened_for_the_trackers():
-    assert flatten({"solver": {"lr": 0.01, "betas": [0.9, 0.99]}, "model": None}) == {
-        "solver.lr": "0.01",
-        "solver.betas": "[0.9, 0.99]",
-        "model": "null",
-    }
+    flat = flatten({"solver": {"lr": 0.01, "betas": [0.9, 0.99]}, "model": None})
+    assert flat == {"solver.lr": 0.01, "solver.betas": [0.9, 0.99], "model": None}
+    assert [param_text(v) for v in flat.values()] == ["0.01", "[0.9, 0.99]", "null"]
     assert scalars({"kind": "step", "epoch": 1, "step": 10, "train_loss": 0.5, "nan": float("nan"), "ok": True}) == {
         "train_loss": 0.5
     }
