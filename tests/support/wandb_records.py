@@ -52,11 +52,16 @@ def offline_run(folder: Path) -> dict[str, Any]:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run |= {"group": record.run.run_group, "job_type": record.run.job_type, "name": record.run.display_name}
-            run["config"] |= {u.key: json.loads(u.value_json) for u in record.run.config.update}
+            run["config"] |= {_key(u): json.loads(u.value_json) for u in record.run.config.update}
         elif kind == "config":
-            run["config"] |= {u.key: json.loads(u.value_json) for u in record.config.update}
+            run["config"] |= {_key(u): json.loads(u.value_json) for u in record.config.update}
         elif kind == "summary":
-            run["summary"] |= {u.key: json.loads(u.value_json) for u in record.summary.update}
+            run["summary"] |= {_key(u): json.loads(u.value_json) for u in record.summary.update}
         elif kind == "history":
-            run["history"].append({i.key: json.loads(i.value_json) for i in record.history.item})
+            run["history"].append({_key(i): json.loads(i.value_json) for i in record.history.item})
     return run
+
+
+def _key(item: Any) -> str:
+    """An item's key: ``key``, or its ``nested_key`` parts (wandb-core puts keys holding "/" there)."""
+    return item.key or "/".join(item.nested_key)
