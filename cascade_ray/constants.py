@@ -49,3 +49,15 @@ FAULT_ONCE_ENV = "CASCADE_RAY_FAULT_ONCE"
 PROGRESS_PUSH_INTERVAL_S = 0.5
 PROGRESS_LINE_INTERVAL_S = 15.0
 PROGRESS_LINE_INTERVAL_ENV = "CASCADE_RAY_PROGRESS_LINE_INTERVAL_S"
+
+# Live tracking (cascade_ray/tracking/): MLflow's REST client retries 7 times with a growing backoff
+# and waits up to 120 s per request by default, so a tracking server that went away mid-run would
+# stall rank 0 for minutes before the logger is switched off. Set in the processes that log (the
+# driver and rank 0 of each stage), unless the user set them. Validate's probe of a tracking
+# server or of W&B waits at most TRACKING_PROBE_TIMEOUT_S.
+MLFLOW_HTTP_ENV_DEFAULTS: dict[str, str] = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+TRACKING_PROBE_TIMEOUT_S = 5.0

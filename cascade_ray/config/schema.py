@@ -771,6 +771,53 @@ class StageConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig, description="The stage's runtime health rules.")
 
 
+class MlflowLoggerConfig(_Strict):
+    """MLflow tracking: one parent run per pipeline run, a nested run per stage and per Tune trial."""
+
+    tracking_uri: str = Field(
+        min_length=1,
+        description="The MLflow tracking server (`http://host:5000`, `https://...`), or a local database "
+        "(`sqlite:////abs/path/mlflow.db`, one machine only: every worker writes to it). A server must answer "
+        "before Ray starts: validate and every run probe it.",
+    )
+    experiment: str = Field(
+        "cascade-ray", min_length=1, description="MLflow experiment the runs go to (created when missing)."
+    )
+    run_name: str | None = Field(None, min_length=1, description="Name of the parent run; null: the pipeline's `name`.")
+
+
+class WandbLoggerConfig(_Strict):
+    """Weights & Biases: one run per stage and per Tune trial, grouped by pipeline run."""
+
+    project: str = Field(min_length=1, description="W&B project.")
+    entity: str | None = Field(None, min_length=1, description="W&B entity (team or user); null: your default.")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="`online` needs the W&B server (validate probes it); `offline` writes the runs under "
+        "`{run}/wandb/` for `wandb sync` later.",
+    )
+
+
+class LoggersConfig(_Strict):
+    """Live tracking: rank 0 of each stage logs its step and epoch metrics as they happen."""
+
+    tensorboard: bool = Field(
+        False,
+        description="Rank 0 writes `{run}/tensorboard/<stage>/` while the stage trains (needs the "
+        "`tensorboard` package). false: the driver writes the same event files once the run has "
+        "finished, when tensorboard is installed.",
+    )
+    mlflow: MlflowLoggerConfig | None = Field(
+        None, description="MLflow tracking (`pip install 'cascade-ray[mlflow]'`)."
+    )
+    wandb: WandbLoggerConfig | None = Field(None, description="W&B tracking (`pip install 'cascade-ray[wandb]'`).")
+
+    @property
+    def any(self) -> bool:
+        """Whether a live logger is configured."""
+        return self.tensorboard or self.mlflow is not None or self.wandb is not None
+
+
 class PipelineConfig(_Strict):
     """A whole cascade: data, and the stages in the order they train."""
 
@@ -797,6 +844,9 @@ class PipelineConfig(_Strict):
     )
     data: DataConfig = Field(default_factory=DataConfig, description="The data section.")
     stages: list[StageConfig] = Field(min_length=1, description="Stages, in training order.")
+    loggers: LoggersConfig = Field(
+        default_factory=LoggersConfig, description="Live tracking: TensorBoard, MLflow, W&B."
+    )
     trusted_modules: list[str] = Field(
         default_factory=list,
         description="Packages whose callables model.type / loss.type import paths (package.module:Callable) may "

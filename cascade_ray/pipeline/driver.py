@@ -46,6 +46,8 @@ from cascade_ray.solver.precision import precision_config_issues
 from cascade_ray.stage.progress import ProgressSession
 from cascade_ray.storage import StorageDir, check_shared_storage, in_ray_job, storage_root
 from cascade_ray.storage_lock import display, hold_run_lock
+from cascade_ray.tracking import TrackingContext
+from cascade_ray.tracking.pipeline_run import PipelineTracking
 
 
 def run_dir(cfg: PipelineConfig) -> StorageDir:
@@ -116,12 +118,16 @@ def run_pipeline(
             raise RunFinishedError(display(out))
         # a stop_after run leaves the run's outputs alone: it would demote a finished summary
         outputs = None if options.stop_after else RunOutputs(out, cfg, data.target_kind, log)
-        try:
-            return _run_locked(cfg, options, runners, out, data, log, outputs)
-        except BaseException as exc:  # Ctrl-C too: the summary says the run stopped, and where
-            if outputs is not None:
-                outputs.failed(exc)  # never raises: the original error is what propagates
-            raise
+        # the MLflow parent run / W&B group: opened once the input is known good, ended FINISHED or FAILED
+        # (after the failed summary is written, so the parent run's artifacts show where the run stopped)
+        with PipelineTracking(cfg, out, log) as tracking:
+            context = tracking.context() if cfg.loggers.any else None
+            try:
+                return _run_locked(cfg, options, runners, out, data, log, outputs, context)
+            except BaseException as exc:  # Ctrl-C too: the summary says the run stopped, and where
+                if outputs is not None:
+                    outputs.failed(exc)  # never raises: the original error is what propagates
+                raise
 
 
 def _run_locked(
@@ -132,6 +138,7 @@ def _run_locked(
     data: DataSplits | StreamedData,
     log: Callable[[str], None],
     outputs: RunOutputs | None,
+    tracking: TrackingContext | None = None,
 ) -> dict[str, Any]:
     """The run itself, under the run lock: Ray, every stage, the composed-model test, the outputs
     (`outputs`: kept current after each stage; None for a stop_after run)."""
@@ -160,6 +167,7 @@ def _run_locked(
             stream=stream,
             options=options,
             board=progress.board,
+            tracking=tracking,
         )
         upstream: Handoff | None = None
         records = []

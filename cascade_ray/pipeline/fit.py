@@ -29,6 +29,7 @@ from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status, u
 from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
 from cascade_ray.storage import StorageDir, full_uri
+from cascade_ray.tracking import TrackingContext
 
 
 def unique_run_name(ray_dir: StorageDir, stage: StageConfig, index: int, fingerprint: str) -> str:
@@ -313,6 +314,7 @@ def fit_stage(
     stream: Any = None,
     train_loop: Callable[[dict[str, Any]], Any] = train_loop_per_worker,
     loop_extra: Mapping[str, Any] | None = None,
+    tracking: TrackingContext | None = None,
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job (:class:`StageTrainer`) and return its Result.
 
@@ -323,7 +325,8 @@ def fit_stage(
     :class:`~cascade_ray.pipeline.streaming.StreamedData` when the rows are streamed: the fit then
     gets fresh Ray Datasets of the train and val parts, and its workers their shards.
     ``train_loop`` is what the workers run (a batched sweep's loop), ``loop_extra`` its own
-    loop-config keys.
+    loop-config keys. ``tracking`` is the pipeline run's tracking context (:mod:`cascade_ray.tracking`):
+    rank 0 then opens the stage's ``loggers:`` under it.
 
     Raises:
         CascadeError: a worker raised one (re-raised as is, with its message).
@@ -334,6 +337,10 @@ def fit_stage(
     pipeline = cfg.model_dump(mode="json")
     pipeline["stages"][index]["scaling"]["use_gpu"] = use_gpu  # workers see the decision, not `auto`
     score = retention_metric(cfg, stage)
+    if tracking is not None and cfg.loggers.tensorboard:
+        from cascade_ray.tracking.tensorboard_live import clear_events, tensorboard_dir
+
+        clear_events(tensorboard_dir(tracking.run_dir, stage.name, tracking.trial))  # a rerun's old curves
     trainer = StageTrainer(
         train_loop,
         train_loop_config={
@@ -348,7 +355,8 @@ def fit_stage(
             "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
             "fit_started": time.time(),  # the start-up phases count from here (cascade_ray/stage/startup.py)
             "plans": known_plans(),  # this process's shape plans: the workers do not plan again
-            **observer_config(cfg, index, ray_dir.parent, options, board),  # progress, log level, --profile trace
+            # progress, log level, --profile trace, live trackers
+            **observer_config(cfg, index, ray_dir.parent, options, board, tracking),
         },
         **_stream_args(stream),
         # backend: Ray Train picks NCCL when workers have GPUs, gloo otherwise (TorchConfig(backend=None))

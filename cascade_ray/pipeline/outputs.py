@@ -65,7 +65,8 @@ class RunOutputs:
             with staged_dir(self.out) as local:
                 write_config(local, cfg)
                 tables = write_metrics(local, [record])
-                _write_events(local, tables, lambda _: None)  # "no tensorboard" is said once, by finish
+                # "no tensorboard" is said once, by finish
+                _write_events(local, tables, lambda _: None, _live_events(cfg, [record]))
             self._write_summary(self._summary("running"))
 
         self._try(write)
@@ -142,7 +143,7 @@ def write_run_outputs(
     write_config(out, cfg)
     tables = write_metrics(out, records)
     pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
-    return _write_events(out, tables, log)
+    return _write_events(out, tables, log, _live_events(cfg, records))
 
 
 def write_config(out: Path, cfg: PipelineConfig) -> None:
@@ -165,10 +166,18 @@ def write_metrics(out: Path, records: list[dict[str, Any]]) -> dict[str, list[di
     return tables
 
 
-def _write_events(out: Path, tables: dict[str, list[dict[str, Any]]], log: Callable[[str], None]) -> Path | None:
+def _live_events(cfg: PipelineConfig, records: list[dict[str, Any]]) -> set[str]:
+    """``loggers.tensorboard``: the stages trained in this run, whose rank 0 wrote their events live
+    (a swept stage's under ``trial-<id>/``); the reused and swept stages' are written from the history."""
+    return {r["name"] for r in records if r["status"] == "trained"} if cfg.loggers.tensorboard else set()
+
+
+def _write_events(
+    out: Path, tables: dict[str, list[dict[str, Any]]], log: Callable[[str], None], written_live: set[str]
+) -> Path | None:
     from cascade_ray.pipeline.tensorboard import write_tensorboard
 
-    events = write_tensorboard(out, tables, log)
+    events = write_tensorboard(out, tables, log, written_live=written_live)
     return events if events is not None and events.is_dir() else None
 
 

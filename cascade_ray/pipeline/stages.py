@@ -9,6 +9,7 @@ injected by the API for stages that have a search space.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -40,6 +41,7 @@ from cascade_ray.pipeline.imported import import_stage
 from cascade_ray.pipeline.records import ManifestFields, StageRecord
 from cascade_ray.pipeline.stream_cache import StreamedCache, prepare_streamed_cache
 from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, read_checkpoint
+from cascade_ray.tracking import TrackingContext
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ class StageSession:
     options: RunOptions = field(default_factory=RunOptions)
     board: Any = None  # the run's progress board (None: no live display)
     stream: Any = None  # pipeline.streaming.StreamedData when data.streaming streams the rows
+    tracking: TrackingContext | None = None  # the pipeline run's trackers (cascade_ray/tracking/)
     # (stage index, the cached inputs it trained on) of the newest cached stage only: the next
     # stage computes its own from it, older ones would pin object-store memory to the end
     newest_cache: tuple[int, FeatureCache | StreamedCache] | None = None
@@ -151,6 +154,7 @@ class StageSession:
             options=self.options,
             board=self.board,
             stream=cache if cache is not None and self.stream is not None else self.stream,
+            tracking=dataclasses.replace(self.tracking, fingerprint=fp) if self.tracking is not None else None,
         )
         return self.finish(index, upstream, result, fp=fp, run_name=name, started=t0)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,16 @@ _NOT_SCALARS = ("stage", "kind", "epoch", "step")
 
 
 def write_tensorboard(
-    out: Path, tables: Mapping[str, list[dict[str, Any]]], log: Callable[[str], None] = print
+    out: Path,
+    tables: Mapping[str, list[dict[str, Any]]],
+    log: Callable[[str], None] = print,
+    written_live: Collection[str] = (),
 ) -> Path | None:
-    """Write one event-file folder per stage; return ``{out}/tensorboard``, or None without tensorboard."""
+    """Write one event-file folder per stage; return ``{out}/tensorboard``, or None without tensorboard.
+
+    `written_live` (``loggers.tensorboard: true``): stages whose rank 0 wrote their events while
+    they trained (:mod:`cascade_ray.tracking.tensorboard_live`); their folders are left as they are.
+    """
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
@@ -33,6 +40,8 @@ def write_tensorboard(
         return None
     root = out / TENSORBOARD_DIR
     for stage, rows in tables.items():
+        if stage in written_live:
+            continue
         # the folder mirrors metrics/<stage>.parquet: a rerun into the same run folder replaces
         # it (event files are appended to, so TensorBoard would show every point twice)
         shutil.rmtree(root / stage, ignore_errors=True)

@@ -45,6 +45,7 @@ class LoopState:
         rank, world: this worker's rank and the worker count.
         total_steps: optimizer steps the stage plans (all epochs).
         row: the latest per-step metrics row (rank 0, every ``train.log_interval`` steps).
+        metrics: the latest epoch's metrics (every rank, after its validation).
     """
 
     stage: StageConfig
@@ -64,6 +65,7 @@ class LoopState:
     world: int = 1
     total_steps: int = 0
     row: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 def _noop(state: LoopState) -> Any:
@@ -82,6 +84,9 @@ class LoopHooks:
         make_scaler: replaces the CUDA GradScaler under fp16 (lifts the CUDA requirement).
         on_log: rank 0, every ``train.log_interval`` optimizer steps, with ``state.row`` set;
             None prints the progress line (a driver-side progress board replaces it).
+        on_row: rank 0, with each new ``state.row`` (before ``on_log``); unlike ``on_log``, every
+            chained callback runs (live trackers, :mod:`cascade_ray.tracking`).
+        on_epoch: every rank, after an epoch's validation, with ``state.metrics`` set.
     """
 
     on_setup: Callable[[LoopState], Any] = _noop
@@ -90,9 +95,11 @@ class LoopHooks:
     after_optimizer_step: Callable[[LoopState], Any] = _noop
     make_scaler: ScalerFactory | None = None
     on_log: Callable[[LoopState], Any] | None = None
+    on_row: Callable[[LoopState], Any] = _noop
+    on_epoch: Callable[[LoopState], Any] = _noop
 
 
-_EVENTS = ("on_setup", "after_backward", "before_optimizer_step", "after_optimizer_step")
+_EVENTS = ("on_setup", "after_backward", "before_optimizer_step", "after_optimizer_step", "on_row", "on_epoch")
 
 
 def chain_hooks(*hooks: LoopHooks) -> LoopHooks:

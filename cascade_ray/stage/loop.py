@@ -195,6 +195,8 @@ def run_stage(
         )
         step = run.step
         metrics = _end_epoch(setup, state, reporter, run, val_src, digest, epoch=epoch)
+        state.metrics = metrics
+        hooks.on_epoch(state)
         # the reported metrics stay flat; the history (summary, artifact manifest, resume state) also
         # carries this epoch's per-step rows, so they survive a reused stage (--resume)
         history.append(metrics | {"steps": run.step_rows} if run.step_rows else metrics)
@@ -312,6 +314,7 @@ def _train_epoch(
             }
             step_rows.append(state.row)
             logged = (seen, loss_total)
+            hooks.on_row(state)
             _log_step(state, hooks, eta=(setup.total_steps - step) * elapsed / epoch_steps)
         if train.max_steps is not None and step >= train.max_steps:
             return _EpochRun(step, epoch_steps, seen, loss_sum, time.perf_counter() - started, step_rows, True)

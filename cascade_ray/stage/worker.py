@@ -154,8 +154,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     )
     marks = LoopHooks(on_setup=clock.on_setup, after_optimizer_step=clock.after_optimizer_step)
     observe, finish_observing = observer_hooks(
-        loop_config, cfg, index, reporter.rank, reporter.world, device
-    )  # progress board, --profile
+        loop_config, cfg, index, reporter.rank, reporter.world, device, nodes=reporter.nodes
+    )  # progress board, --profile, live trackers
+    failed = True
     try:
         outcome = run_stage(
             cfg,
@@ -171,8 +172,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             sources=sources,
             input_stage=loop_config["stream"].get("input_stage") if loop_config.get("stream") else None,
         )
+        failed = False
     finally:
-        finish_observing()
+        finish_observing(failed)
     return dataclasses.asdict(outcome) | {"startup": clock.record()} if reporter.rank == 0 else None
 
 

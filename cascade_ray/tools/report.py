@@ -18,6 +18,7 @@ from cascade_ray.tools.report_data import (
     read_report_data,
     stage_rows,
 )
+from cascade_ray.tracking.pipeline_run import log_report
 
 REPORT_DIR = "report"
 
@@ -25,7 +26,8 @@ REPORT_DIR = "report"
 def build_report(run: str | StorageDir, html: bool = False) -> StorageDir:
     """Write ``RUN_DIR/report/*.png`` and ``RUN_DIR/report/report.md`` (and ``report.html`` with
     `html`) (a local folder or a URI: on object storage the files are drawn locally, then
-    uploaded); return the .md path, or the .html path with `html`."""
+    uploaded); return the .md path, or the .html path with `html`. A run logged to MLflow
+    (``loggers.mlflow``) gets the report's files in its parent run too."""
     data = read_report_data(run)
     with staged_dir(data.run / REPORT_DIR) as out:
         figures = draw_figures(data, out)
@@ -34,6 +36,9 @@ def build_report(run: str | StorageDir, html: bool = False) -> StorageDir:
             from cascade_ray.tools.report_html import render_html
 
             (out / "report.html").write_text(render_html(data, figures), encoding="utf-8")
+        tracked = log_report(data.run, out)  # loggers.mlflow: the PNGs join the run's parent run too
+        if tracked is not None:
+            print(f"report: added to mlflow run {tracked}", flush=True)
     return data.run / REPORT_DIR / ("report.html" if html else "report.md")
 
 

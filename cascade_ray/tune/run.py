@@ -101,6 +101,7 @@ def sweep_stage(
         features_ref=cache.ref if cache is not None and not streamed else None,
         options=session.options,
         stream=(cache or session.stream) if streamed else None,
+        tracking=session.tracking,
         trust_state=trust_state,
     )
     guard = print_guard()

@@ -13,6 +13,7 @@ trial, trials on a small cluster hold the CPUs their own Train workers wait for,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -29,6 +30,7 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import fit_stage, worker_resources
 from cascade_ray.ray_compat import uncount_asha_stop, wait_for_tune_reports_taken
 from cascade_ray.storage import StorageDir, as_storage, full_uri
+from cascade_ray.tracking import TrackingContext
 from cascade_ray.tune.progress import SweepProgress
 from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
 from cascade_ray.tune.state import StateDigestCallback, verify_state
@@ -94,10 +96,12 @@ def _run_trial(
     ray_dir: str,
     options: RunOptions,
     stream: Any = None,
+    tracking: TrackingContext | None = None,
     plans: dict[Any, Any] | None = None,
 ) -> None:
-    """One trial (runs in a Tune trial actor); `stream`: the streamed data or streamed cache it trains
-    on; `plans`: the driver's shape plans (:func:`~cascade_ray.models.plan.known_plans`)."""
+    """One trial (runs in a Tune trial actor); `stream`: the streamed data or streamed cache it trains on;
+    `tracking`: the pipeline run's trackers (the trial's rank 0 opens its own run, ``<stage> trial <id>``);
+    `plans`: the driver's shape plans (:func:`~cascade_ray.models.plan.known_plans`)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     remember_plans(plans)  # a trial of solver values has its base's plans: neither it nor its workers plan
@@ -119,6 +123,7 @@ def _run_trial(
         features_ref=features_ref,
         options=options,
         stream=stream,
+        tracking=dataclasses.replace(tracking, trial=trial_id) if tracking is not None else None,
     )
     _drain_tune_reports()
     # which object-store copies this trial read: the same ids for every trial, by design
@@ -200,6 +205,7 @@ def build_tuner(
     options: RunOptions | None = None,
     stream: Any = None,
     trust_state: bool = False,
+    tracking: TrackingContext | None = None,
 ) -> tune.Tuner:
     """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists); every trial
     reads the same data, upstream and (when the stage caches them) upstream-feature objects.
@@ -223,6 +229,7 @@ def build_tuner(
         ray_dir=full_uri(exp_dir / "trials"),
         options=RunOptions(log_level=(options or RunOptions()).log_level),
         stream=stream,
+        tracking=tracking,
         plans=known_plans(),
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)

@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("cascade_ray.models", "cascade_ray.data", "cascade_ray.storage", "cascade_ray.storage_lock"),
     ),
     ("solver", ("cascade_ray.solver",)),
+    ("tracking", ("cascade_ray.tracking",)),
     ("checks", ("cascade_ray.checks",)),
     ("stage", ("cascade_ray.stage",)),
     ("pipeline", ("cascade_ray.pipeline",)),

@@ -86,6 +86,7 @@ def test_run_options_are_frozen_and_reach_the_workers_loop_config(tmp_path):
         "progress": [],
         "log_level": "warning",
         "profile": str(tmp_path / "profile" / "encoder.trace.json"),
+        "tracking": None,  # no loggers: configured
     }
     assert observer_config(cfg, 0, tmp_path, options, board="handle")["profile"] == ""
     assert observer_config(cfg, 0, tmp_path, RunOptions(), board="handle")["progress"] == ["handle"]
