@@ -117,6 +117,8 @@ def run_batched(
     metric: str,
     mode: str,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    tracking: Mapping[str, Any] | None = None,
+    nodes: list[str] | None = None,
 ) -> BatchedOutcome:
     """Train stage `index` of every config in `cfgs` at once (:func:`train_replicas`), then report
     the best replica.
@@ -124,10 +126,32 @@ def run_batched(
     The one report (rank 0 checkpoints) carries the best replica's weights at its best epoch by
     ``train.checkpoint.metric``; the best replica is the one whose best epoch by `metric` (`mode`: max/min)
     is best, as Tune's ``get_best_result(scope="all")`` picks a trial.
+
+    `tracking` (rank 0, ``loggers:``): the driver's tracking context; each replica's epoch rows
+    then go live to its own trial run (``<stage> trial replica-<k>``, tagged with `nodes`), which
+    ends FAILED when a health rule failed the replica or the job raised.
     """
-    replicas = train_replicas(
-        cfgs, index, data, upstream, features, reporter, device, metric=metric, mode=mode, wrap=wrap
-    )
+    trackers = _replica_trackers(tracking, cfgs, index, nodes or []) if tracking else []
+    try:
+        replicas = train_replicas(
+            cfgs,
+            index,
+            data,
+            upstream,
+            features,
+            reporter,
+            device,
+            metric=metric,
+            mode=mode,
+            wrap=wrap,
+            on_epoch=(lambda k, row: trackers[k].log("epoch", row)) if trackers else None,
+        )
+    except BaseException:
+        for t in trackers:
+            t.close(True)
+        raise
+    for t, r in zip(trackers, replicas):
+        t.close(r.error is not None)  # a replica failed by a health rule ends FAILED, as a trial would
     ok = [k for k, r in enumerate(replicas) if r.error is None and r.history]
     if not ok:
         raise HealthError(
@@ -162,12 +186,14 @@ def train_replicas(
     metric: str,
     mode: str,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    on_epoch: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[Replica]:
     """Every config's replica of stage `index`, trained for the stage's epochs on shared batches.
 
     The configs differ only in per-replica values (solver, loss); the batches, epochs and
     accumulation windows are the first config's. `metric` / `mode` pick the replica the
-    per-epoch progress line names.
+    per-epoch progress line names; `on_epoch(k, metrics)` gets replica k's epoch row (the
+    live trackers, on rank 0).
 
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
@@ -224,6 +250,8 @@ def train_replicas(
                 }
             r.setup.scheduler.step_epoch(metrics)
             r.done = r.stopper.update(metrics)
+            if on_epoch is not None:
+                on_epoch(replicas.index(r), metrics)
         if reporter.rank == 0:
             _print_replicas(base.name, replicas, epoch + 1, base.train.epochs, metric, mode)
     return replicas
@@ -363,6 +391,32 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
     wrap = _ddp_wrapper(cfgs[0].stages[index], device) if reporter.world > 1 else None
     select = loop_config["select"]
     outcome = run_batched(
-        cfgs, index, data, upstream, features, reporter, device, metric=select["metric"], mode=select["mode"], wrap=wrap
+        cfgs,
+        index,
+        data,
+        upstream,
+        features,
+        reporter,
+        device,
+        metric=select["metric"],
+        mode=select["mode"],
+        wrap=wrap,
+        tracking=loop_config.get("tracking") if reporter.rank == 0 else None,
+        nodes=reporter.nodes,
     )
     return dataclasses.asdict(outcome) if reporter.rank == 0 else None
+
+
+def _replica_trackers(
+    tracking: Mapping[str, Any], cfgs: list[PipelineConfig], index: int, nodes: list[str]
+) -> list[Any]:
+    """``loggers:``: one set of live loggers per replica, each replica a trial run named
+    ``<stage> trial replica-<k>`` under the pipeline's run."""
+    from cascade_ray.tracking import TrackingContext
+    from cascade_ray.tracking.stage_runs import open_stage_loggers  # imports a tracker only when configured
+
+    context = TrackingContext.from_dict(tracking)
+    return [
+        open_stage_loggers(cfg, index, dataclasses.replace(context, trial=f"replica-{k}"), nodes)
+        for k, cfg in enumerate(cfgs)
+    ]

@@ -177,6 +177,7 @@ def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream:
         options=RunOptions(log_level=session.options.log_level),
         train_loop=batched_train_loop_per_worker,
         loop_extra={"replicas": replicas, "select": {"metric": space.metric, "mode": space.mode}},
+        tracking=session.tracking,  # rank 0 logs each replica's epochs as a trial run (replica-<k>)
     )
     histories, errors, best = (result.return_value[k] for k in ("histories", "errors", "best"))
     rows = replica_rows(run.name, values, histories, errors, space.metric, space.mode)

@@ -11,7 +11,7 @@ import torch
 from fakes import ListReporter
 from paths import CONFIGS
 
-from cascade_ray.checks import load_config
+from cascade_ray.checks import load_config, validate_config
 from cascade_ray.pipeline.features import upstream_outputs
 from cascade_ray.stage.batched import run_batched, train_replicas
 from cascade_ray.stage.loop import run_stage
@@ -290,3 +290,44 @@ def test_a_failed_replicas_row_says_so_and_keeps_its_values():
     }
     assert rows[1]["error"] == "nonfinite ..." and rows[1]["epoch"] == 0 and np.isnan(rows[1]["val_accuracy"])
     assert rows[1]["config/solver.lr"] == 1e30
+
+
+def test_each_replica_is_tracked_live_as_a_trial_run_and_a_failed_one_ends_failed(inputs, digits, tmp_path):
+    """``loggers.mlflow`` on a local database (no server): rank 0 gives every replica its own run,
+    nested under the pipeline's, with its epoch rows as they happen; a replica a health rule
+    failed ends FAILED, the others FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    from cascade_ray.tracking.pipeline_run import PipelineTracking
+
+    cfg, _, upstream, features = inputs
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = cfg.model_dump(mode="json") | {"storage_path": str(tmp_path), "loggers": {"mlflow": {"tracking_uri": uri}}}
+    tracked = validate_config(raw, preflight=False)
+    values = [VALUES[0], DIVERGING]  # the second diverges: a health rule fails it
+    cfgs = [trial_config(tracked, "classifier", v) for v in values]
+    with PipelineTracking(tracked, tmp_path / tracked.name, log=print) as run:
+        outcome = run_batched(
+            cfgs,
+            STAGE,
+            digits,
+            upstream,
+            features,
+            ListReporter(),
+            CPU,
+            metric="val_accuracy",
+            mode="max",
+            tracking=run.context().to_dict(),
+            nodes=["node-a"],
+        )
+    assert outcome.errors[0] is None and outcome.errors[1] is not None
+    client = MlflowClient(uri)
+    children = client.search_runs([run.experiment], f"tags.`mlflow.parentRunId` = '{run.parent}'")
+    by_name = {c.info.run_name: c for c in children}
+    assert set(by_name) == {"classifier trial replica-0", "classifier trial replica-1"}
+    ok, failed = by_name["classifier trial replica-0"], by_name["classifier trial replica-1"]
+    assert (ok.info.status, failed.info.status) == ("FINISHED", "FAILED")
+    assert ok.data.tags["cascade.nodes"] == "node-a" and ok.data.params["solver.lr"] == str(VALUES[0]["solver.lr"])
+    history = client.get_metric_history(ok.info.run_id, "epoch/val_accuracy")
+    assert [m.value for m in history] == pytest.approx([h["val_accuracy"] for h in outcome.histories[0]])
+    assert len(history) == cfg.stages[STAGE].train.epochs
