@@ -118,6 +118,7 @@ class PipelineTracking:
                     for path in files:
                         folder = path.parent.relative_to(tmp).as_posix()
                         self.mlflow.log_artifact(self.parent, str(path), None if folder == "." else folder)
+                    self._end_orphans()
                     self.mlflow.set_tag(self.parent, "cascade.status", "failed" if failed else "finished")
                     self.mlflow.set_terminated(self.parent, "FAILED" if failed else "FINISHED")
                 except Exception as exc:  # noqa: BLE001 - the run itself is done; say what was not logged
@@ -127,6 +128,15 @@ class PipelineTracking:
                     self._wandb_pipeline_run(Path(tmp), files, failed)
                 except Exception as exc:  # noqa: BLE001 - as above
                     self._warn("wandb", "could not write the pipeline run", exc)
+
+    def _end_orphans(self) -> None:
+        """End KILLED the nested runs still RUNNING: their rank 0 died without closing them (a
+        worker killed outright; Ray Train restarted the group, whose new rank 0 opened a new run)."""
+        query = f"tags.`mlflow.parentRunId` = '{self.parent}'"
+        for run in self.mlflow.search_runs([self.experiment], query, max_results=1000):
+            if run.info.status == "RUNNING":
+                self.mlflow.set_tag(run.info.run_id, "cascade.status", "killed")
+                self.mlflow.set_terminated(run.info.run_id, "KILLED")
 
     def _pipeline_params(self) -> dict[str, Any]:
         raw = self.cfg.model_dump(mode="json")

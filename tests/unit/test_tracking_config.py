@@ -173,3 +173,25 @@ def test_a_failed_run_ends_its_parent_run_failed_in_a_local_mlflow_store(debug_r
     assert child.info.status == "FAILED" and child.data.params["solver.type"] == "AdamW"
     steps = [m.step for m in client.get_metric_history(child.info.run_id, "step/train_loss")]
     assert steps == [r["step"] for r in reporter.trainers[-1]["history"][0]["steps"]] and steps
+
+
+def test_a_stage_run_whose_worker_died_is_ended_killed_with_the_pipeline_run(debug_raw, tmp_path):
+    """A rank 0 killed outright never closes its run; the driver's pipeline run ends it KILLED
+    (and leaves the runs that did close as they ended)."""
+    from mlflow.tracking import MlflowClient
+
+    from cascade_ray.tracking.mlflow_runs import MlflowStageLogger
+    from cascade_ray.tracking.pipeline_run import PipelineTracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = with_loggers(debug_raw, tmp_path, mlflow={"tracking_uri": uri, "experiment": "orphans"})
+    with PipelineTracking(cfg, tmp_path / cfg.name, log=print) as run:
+        died = MlflowStageLogger(uri, run.experiment, run.parent, "features", {}, {})
+        died.log("step", {"step": 1, "train_loss": 2.0})  # then the worker is gone: no close()
+        closed = MlflowStageLogger(uri, run.experiment, run.parent, "features", {}, {})
+        closed.close(failed=False)
+    client = MlflowClient(uri)
+    assert client.get_run(died.run_id).info.status == "KILLED"
+    assert client.get_run(died.run_id).data.tags["cascade.status"] == "killed"
+    assert client.get_run(closed.run_id).info.status == "FINISHED"
+    assert client.get_run(run.parent).info.status == "FINISHED"
