@@ -35,8 +35,15 @@ def log_report(run: StorageDir, folder: Path, log: Callable[[str], None] = print
     record = run / TRACKING_FILE
     if not record.is_file():
         return None
-    mlflow_run = json.loads(record.read_text()).get("mlflow") or {}
-    if not mlflow_run.get("run_id"):
+    try:
+        raw = json.loads(record.read_text())
+        mlflow_run = raw.get("mlflow") or {} if isinstance(raw, dict) else {}
+        if not isinstance(mlflow_run, dict) or not all(
+            isinstance(mlflow_run.get(k), str) and mlflow_run[k] for k in ("run_id", "tracking_uri")
+        ):
+            raise ValueError("no mlflow run_id / tracking_uri strings")
+    except (OSError, ValueError) as exc:  # a damaged record: the report is written, only its MLflow copy is skipped
+        log(f"WARNING tracking: {record} is unreadable ({describe(exc)}); the report was not added to MLflow")
         return None
     try:
         from cascade_ray.tracking.mlflow_runs import client

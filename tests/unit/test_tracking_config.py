@@ -195,3 +195,13 @@ def test_a_stage_run_whose_worker_died_is_ended_killed_with_the_pipeline_run(deb
     assert client.get_run(died.run_id).data.tags["cascade.status"] == "killed"
     assert client.get_run(closed.run_id).info.status == "FINISHED"
     assert client.get_run(run.parent).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("body", ["{half", "[1, 2]", '{"mlflow": {"run_id": 7}}'])
+def test_a_damaged_tracking_record_is_a_warning_not_a_traceback(tmp_path, body):
+    from cascade_ray.tracking.pipeline_run import TRACKING_FILE, log_report
+
+    (tmp_path / TRACKING_FILE).write_text(body)
+    lines: list[str] = []
+    assert log_report(tmp_path, tmp_path, log=lines.append) is None
+    assert len(lines) == 1 and "is unreadable" in lines[0] and "not added to MLflow" in lines[0]
