@@ -93,17 +93,23 @@ def test_more_workers_than_cpus_fails_before_training(ray_session, tmp_path):
     assert not (tmp_path / "debug" / "stages").exists()
 
 
+# a first stage whose module drifts whenever it runs (frozen, it must not), then a one-epoch encoder
+DRIFTING_UPSTREAM = [
+    "trusted_modules=[user_models]",
+    "stages[0].model={type: 'user_models:drifting', in_features: 64, width: 64}",
+    "stages[0].train.epochs=1",
+    "stages[1].model={type: mlp, in_features: 64, hidden: [16]}",
+    "stages[1].scaling.num_workers=1",
+    "stages[1].train.epochs=1",
+]
+
+
 def test_frozen_drift_in_a_worker_is_an_error_in_the_driver(ray_session, tmp_path):
     cfg = load_config(
         CONFIGS / "debug.yaml",
         [
             f"storage_path={tmp_path}",
-            "trusted_modules=[user_models]",
-            "stages[0].model={type: 'user_models:drifting', in_features: 64, width: 64}",
-            "stages[0].train.epochs=1",
-            "stages[1].model={type: mlp, in_features: 64, hidden: [16]}",
-            "stages[1].scaling.num_workers=1",
-            "stages[1].train.epochs=1",
+            *DRIFTING_UPSTREAM,
             # the module drifts when it runs; on cached features the worker never runs it
             "stages[1].freeze.cache_features=off",
         ],
@@ -124,12 +130,7 @@ def test_a_crash_in_stage_3_leaves_the_done_stages_outputs_and_resume_finishes_i
 
     base = [
         f"storage_path={tmp_path}",
-        "trusted_modules=[user_models]",
-        "stages[0].model={type: 'user_models:drifting', in_features: 64, width: 64}",
-        "stages[0].train.epochs=1",
-        "stages[1].model={type: mlp, in_features: 64, hidden: [16]}",
-        "stages[1].scaling.num_workers=1",
-        "stages[1].train.epochs=1",
+        *DRIFTING_UPSTREAM,
         "stages[2].train.epochs=1",
     ]
     crash = load_config(CONFIGS / "debug.yaml", [*base, "stages[2].freeze.cache_features=off"])
