@@ -52,6 +52,7 @@ from cascade_ray.stage.loop import Reporter
 from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.progress import format_trial
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
+from cascade_ray.stage.startup import StartupClock
 
 
 @dataclass
@@ -103,6 +104,7 @@ class BatchedOutcome:
     best: int
     best_epoch: int
     world_size: int
+    startup: dict[str, float] | None = None  # rank 0's start-up phases (stage/startup.py), set by the loop
 
 
 def run_batched(
@@ -119,6 +121,7 @@ def run_batched(
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     tracking: Mapping[str, Any] | None = None,
     nodes: list[str] | None = None,
+    clock: StartupClock | None = None,
 ) -> BatchedOutcome:
     """Train stage `index` of every config in `cfgs` at once (:func:`train_replicas`), then report
     the best replica.
@@ -129,7 +132,8 @@ def run_batched(
 
     `tracking` (rank 0, ``loggers:``): the driver's tracking context; each replica's epoch rows
     then go live to its own trial run (``<stage> trial replica-<k>``, tagged with `nodes`), which
-    ends FAILED when a health rule failed the replica or the job raised.
+    ends FAILED when a health rule failed the replica or the job raised. `clock` gets the
+    ``setup`` and ``first_step`` marks (:func:`train_replicas`).
     """
     trackers = _replica_trackers(tracking, cfgs, index, nodes or []) if tracking else []
     try:
@@ -145,6 +149,7 @@ def run_batched(
             mode=mode,
             wrap=wrap,
             on_epoch=(lambda k, row: trackers[k].log("epoch", row)) if trackers else None,
+            clock=clock,
         )
     except BaseException:
         for t in trackers:
@@ -187,13 +192,15 @@ def train_replicas(
     mode: str,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     on_epoch: Callable[[int, dict[str, float]], None] | None = None,
+    clock: StartupClock | None = None,
 ) -> list[Replica]:
     """Every config's replica of stage `index`, trained for the stage's epochs on shared batches.
 
     The configs differ only in per-replica values (solver, loss); the batches, epochs and
     accumulation windows are the first config's. `metric` / `mode` pick the replica the
     per-epoch progress line names; `on_epoch(k, metrics)` gets replica k's epoch row (the
-    live trackers, on rank 0).
+    live trackers, on rank 0). `clock` is marked ``setup`` once every replica is built and
+    ``first_step`` once every replica has taken its first optimizer step.
 
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
@@ -204,6 +211,8 @@ def train_replicas(
         )
     base = cfgs[0].stages[index]
     replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap) for cfg in cfgs]
+    if clock is not None:
+        clock.mark("setup")
     train_src = ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device)
     val_src = ArraySource(features["x_val"], data.y_val, 0.0, 1.0, device)
     ckpt_metric, ckpt_mode = retention_metric(cfgs[0], base)  # as a lone stage picks its artifact
@@ -214,7 +223,14 @@ def train_replicas(
         live = [r for r in replicas if not r.done]
         if not live:
             break
-        seen, sums, train_s = _train_epoch(live, train_src, reporter, seed=stage_seed(cfgs[0], index), epoch=epoch)
+        seen, sums, train_s = _train_epoch(
+            live,
+            train_src,
+            reporter,
+            seed=stage_seed(cfgs[0], index),
+            epoch=epoch,
+            on_step=(lambda: clock.mark("first_step")) if clock is not None else None,
+        )
         totals = reporter.all_sum([float(seen), *sums])  # one collective for every replica
         for r, loss_sum in zip(live, sums):
             if r.error is None:  # as the lone loop's epoch end: the non-finite flush, the frozen digest
@@ -304,10 +320,17 @@ def _cuda_rng(device: torch.device) -> torch.Tensor | None:
 
 
 def _train_epoch(
-    live: list[Replica], source: ArraySource, reporter: Reporter, *, seed: int, epoch: int
+    live: list[Replica],
+    source: ArraySource,
+    reporter: Reporter,
+    *,
+    seed: int,
+    epoch: int,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[int, list[float], float]:
     """One epoch: every batch read once and stepped by every live replica. Returns (samples
-    seen on this rank, each replica's sample-weighted loss sum, wall seconds)."""
+    seen on this rank, each replica's sample-weighted loss sum, wall seconds). `on_step()` is
+    called after each window every live replica has stepped."""
     train, solver = live[0].setup.stage.train, live[0].setup.stage.solver
     for r in live:
         r.setup.model.train()
@@ -341,6 +364,8 @@ def _train_epoch(
                     s.optimizer.zero_grad(set_to_none=True)
                     r.step += 1
                     _guarded(r, lambda r=r, skipped=skipped: r.monitor.after_step(r.step, skipped, sums[id(r)]))
+        if last and on_step is not None:
+            on_step()
     return seen, [sums[id(r)].item() for r in live], time.perf_counter() - started
 
 
@@ -383,10 +408,12 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     device = ray.train.torch.get_device()
+    clock = StartupClock(loop_config.get("fit_started"))  # as a lone stage's worker: where start-up goes
     (data_ref,) = loop_config["data_ref"]
     data = DataSplits.from_arrays(ray.get(data_ref))
     upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
     features = ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None
+    clock.mark("inputs")
     reporter = RayReporter(device)
     wrap = _ddp_wrapper(cfgs[0].stages[index], device) if reporter.world > 1 else None
     select = loop_config["select"]
@@ -403,8 +430,9 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
         wrap=wrap,
         tracking=loop_config.get("tracking") if reporter.rank == 0 else None,
         nodes=reporter.nodes,
+        clock=clock,
     )
-    return dataclasses.asdict(outcome) if reporter.rank == 0 else None
+    return dataclasses.asdict(dataclasses.replace(outcome, startup=clock.record())) if reporter.rank == 0 else None
 
 
 def _replica_trackers(

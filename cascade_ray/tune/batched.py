@@ -34,7 +34,7 @@ from cascade_ray.stage.batched import batched_train_loop_per_worker
 from cascade_ray.storage import StorageDir, write_table
 from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
 from cascade_ray.tune.space import TuneSpace, current_values
-from cascade_ray.tune.sweep import param_space, search_algorithm, trial_config
+from cascade_ray.tune.sweep import STARTUP_FILE, param_space, search_algorithm, trial_config
 
 PER_REPLICA = ("solver.", "loss.")  # what each replica sets up on its own (optimizer, lr plan, loss)
 SHARED = {  # per-replica prefixes a replica still cannot vary
@@ -180,6 +180,8 @@ def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream:
         tracking=session.tracking,  # rank 0 logs each replica's epochs as a trial run (replica-<k>)
     )
     histories, errors, best = (result.return_value[k] for k in ("histories", "errors", "best"))
+    # the one fit's start-up phases, where a Tune trial writes its own (bench_trial_startup reads both)
+    (run / STARTUP_FILE).write_text(json.dumps(result.return_value.get("startup")))
     rows = replica_rows(run.name, values, histories, errors, space.metric, space.mode)
     for k, (v, error) in enumerate(zip(values, errors)):
         if error is not None:  # as Tune marks one trial ERROR and keeps the others

@@ -20,9 +20,10 @@ from cascade_ray.data.source import load_data
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.features import upstream_outputs
 from cascade_ray.pipeline.fit import fit_stage
+from cascade_ray.stage.startup import PHASES
 from cascade_ray.stage.worker import read_checkpoint
 from cascade_ray.storage import as_storage
-from cascade_ray.tune.sweep import trial_config
+from cascade_ray.tune.sweep import STARTUP_FILE, trial_config
 
 SPACE = """
 stage: classifier
@@ -61,6 +62,11 @@ def test_a_batched_sweep_writes_the_plain_sweeps_outputs_and_adopts_the_best_rep
     assert record["status"] == "tuned" and record["sweep"]["trials"] == 4
     exp = Path(summary["storage"]) / "tune" / "classifier"
     assert [p.name for p in (exp / "trials").iterdir()] == ["batched-a1"]  # one TorchTrainer job for 4 configs
+    # the one fit's start-up phases, recorded where a Tune trial records its own
+    startup = json.loads((exp / "trials" / "batched-a1" / STARTUP_FILE).read_text())
+    assert set(startup) == {*PHASES, "to_first_step_s"}, startup
+    assert startup["to_first_step_s"] == pytest.approx(sum(startup[p] for p in PHASES), abs=0.01)
+    assert startup["ray_train_s"] > 0 and startup["setup_s"] > 0, startup
 
     table = pq.read_table(record["sweep"]["results"]).to_pylist()
     scores = [row["val_accuracy"] for row in table]
