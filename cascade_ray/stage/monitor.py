@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.errors import FrozenDriftError, HealthError
 from cascade_ray.models.freeze import TrainablePlan, check_frozen, frozen_digest
 from cascade_ray.solver.schedule import LrSchedule
-from cascade_ray.solver.step import Precision, grad_norm
+from cascade_ray.solver.step import Precision, grad_norm, is_dtensor
 
 if TYPE_CHECKING:
     from cascade_ray.stage.setup import StageSetup
@@ -70,7 +69,7 @@ class HealthMonitor:
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.model, self.plan, self.rank, self.all_sum = model, plan, rank, all_sum
         # fsdp: each rank holds shards of the parameters; sums over them are summed over the ranks
-        self.sharded = any(isinstance(p, DTensor) for p in self.params)
+        self.sharded = any(is_dtensor(p) for p in self.params)
         self.on = {
             rule: getattr(self.cfg, rule).policy != "off"
             for rule in (
@@ -386,7 +385,7 @@ def _flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _mean(values: list[float]) -> float:

@@ -15,28 +15,33 @@ loaded back on every rank as full state dicts (each rank reads the checkpoint).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from cascade_ray.models.freeze import TrainablePlan
 from cascade_ray.models.weights import SHARED_KEYS_ATTR, load_numpy_state
+from cascade_ray.solver.step import is_dtensor
 
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
-_LOAD = StateDictOptions(full_state_dict=True, strict=False)  # every rank passes the full state
+# torch.distributed's FSDP, DTensor and distributed-checkpoint modules are imported where a
+# sharded stage uses them, not here: together they cost a fresh process ~0.8 s, and every stage
+# worker imports this module. Nothing can be sharded before they are imported, so the checks
+# below look them up in sys.modules instead of importing them.
+_FSDP = "torch.distributed.fsdp"
+
+
+def _options(**kw: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kw)
+
+
+def _gather() -> Any:
+    return _options(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
 
 
 def shard_trainable(model: nn.Module, plan: TrainablePlan, device: torch.device, world: int) -> int:
@@ -44,6 +49,9 @@ def shard_trainable(model: nn.Module, plan: TrainablePlan, device: torch.device,
 
     Call on every rank, after the model is on `device` and before the optimizer is built.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(device.type, (world,))
     modules = dict(model.named_modules())
     units = [
@@ -58,22 +66,27 @@ def shard_trainable(model: nn.Module, plan: TrainablePlan, device: torch.device,
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether `model` is an FSDP root (:func:`shard_trainable` ran)."""
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get(_FSDP)
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded tensor; the tensor itself otherwise."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict, on rank 0 (other ranks: empty). A collective: call on every rank."""
-    return get_model_state_dict(model, options=_GATHER)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_gather())
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The full optimizer state keyed by parameter name, on rank 0 (others: empty). A collective."""
-    return get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_gather())
 
 
 def load_full_model_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> None:
@@ -85,12 +98,16 @@ def load_full_model_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> 
     shared = getattr(model, SHARED_KEYS_ATTR, frozenset()) & set(state)
     load_numpy_state(model, {k: state[k] for k in shared}, strict=False)  # compares only
     tensors = {k: torch.from_numpy(np.array(v)) for k, v in state.items() if k not in shared}
-    set_model_state_dict(model, tensors, options=_LOAD)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, tensors, options=_options(full_state_dict=True, strict=False))  # every rank: full state
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load :func:`full_optimizer_state` output into the sharded optimizer, on every rank."""
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=_options(full_state_dict=True))
 
 
 @contextlib.contextmanager
@@ -100,6 +117,8 @@ def unsharded(model: nn.Module) -> Iterator[None]:
     Evaluation runs inside: each rank's share of a split may have a different number of batches,
     and sharded forwards would all-gather per batch and wait for each other.
     """
+    from torch.distributed.fsdp import FSDPModule
+
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
