@@ -1,12 +1,14 @@
 """What a stage fit and a Tune trial pay before their first optimizer step, by phase.
 
-    /work/venv/bin/python benchmarks/bench_trial_startup.py [--trials 4]
+    flock /tmp/cascade-cpu.lock .venv/bin/python benchmarks/bench_trial_startup.py [--trials 4]
 
 One embedded Ray (``ray.init(num_cpus=2)``, as ``run_pipeline`` starts it) runs the debug
 pipeline with its classifier stage swept (`--trials` trials, random search, FIFO, each trial a
 few optimizer steps on the cached upstream features), then reads the start-up record every
 fit wrote (``cascade_ray/stage/startup.py``): the pipeline stages' from ``summary.json``, the
-trials' from their ``startup.json``. Baseline in the same session: Ray's plain ``TorchTrainer``
+trials' from their ``startup.json``. Then the same sweep batched (``--batched``: the `--trials`
+configs as replicas of one fit, on a second run of the pipeline) and its one fit's record, the
+start-up the whole sweep pays. Baseline in the same session: Ray's plain ``TorchTrainer``
 fitting a no-op loop (1 worker, 2 CPUs), its ``fit()`` to loop-start time, the floor of any
 Ray Train fit here. Prints the median of each phase and its ratio to that baseline.
 """
@@ -57,6 +59,14 @@ def bare_fit_startup(storage: str, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def sweep_startups(summary: dict) -> list[dict]:
+    """The start-up records of the classifier sweep's fits (a trial each, or the one batched fit)."""
+    from cascade_ray.tune.sweep import STARTUP_FILE
+
+    folder = Path(summary["storage"]) / "tune" / "classifier" / "trials"
+    return [json.loads(p.read_text()) for p in folder.glob(f"*/{STARTUP_FILE}")]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=4, help="Tune trials of the classifier stage")
@@ -71,7 +81,6 @@ def main() -> int:
     from cascade_ray.constants import apply_ray_env_defaults
     from cascade_ray.pipeline.ray_token import ensure_private_token
     from cascade_ray.stage.startup import PHASES
-    from cascade_ray.tune.sweep import STARTUP_FILE
 
     ensure_private_token()
     ray.init(num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()})
@@ -83,13 +92,18 @@ def main() -> int:
         cfg = load_config(ROOT / "pipelines" / "configs" / "debug.yaml", [f"storage_path={tmp}", *short])
         summary = run_pipeline(cfg, RunOptions(spaces=(("classifier", str(space)),)), log=lambda _: None)
         stages = [s["startup"] for s in summary["stages"] if s.get("startup")]
-        trials = [
-            json.loads(p.read_text())
-            for p in (Path(summary["storage"]) / "tune" / "classifier" / "trials").glob(f"*/{STARTUP_FILE}")
-        ]
+        trials = sweep_startups(summary)
+        cfg = load_config(ROOT / "pipelines" / "configs" / "debug.yaml", [f"storage_path={tmp}/b", *short])
+        batched = run_pipeline(cfg, RunOptions(spaces=(("classifier", str(space)),), batched=True), log=lambda _: None)
+        stages += [s["startup"] for s in batched["stages"] if s.get("startup")]
+        one_fit = sweep_startups(batched)
     ray.shutdown()
     print(f"baseline: TorchTrainer no-op fit() -> loop start {bare:.2f} s (median of 3, 1 worker x 2 CPUs)")
-    for label, records in (("pipeline stage fits", stages), ("tune trials (classifier)", trials)):
+    for label, records in (
+        ("pipeline stage fits", stages),
+        ("tune trials (classifier)", trials),
+        (f"batched sweep (classifier, {args.trials} configs in one fit)", one_fit),
+    ):
         records = [r for r in records if r and "to_first_step_s" in r]
         print(f"{label}: {len(records)}")
         for phase in (*PHASES, "to_first_step_s"):
