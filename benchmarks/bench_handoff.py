@@ -18,17 +18,13 @@ the state dict's keys: parameters, and buffers for the BatchNorm statistics):
   (as ``load_state_dict`` does). The page cache is not dropped: the directory's best case.
 - **object store, copied** (cascade-ray's hand-off before issue 19): one ``ray.put``; each
   consumer ``ray.get``s (read-only views of shared memory) and copies into its module.
-- **object store, shared per tensor** (the first issue-19 hand-off): one ``ray.put`` of the dict
-  of arrays; each consumer ``ray.get``s and makes the module's tensors views of the arrays with
+- **object store, shared** (cascade-ray's hand-off now): one ``ray.put``; each consumer
+  ``ray.get``s and makes the module's tensors views of the arrays with
   ``cascade_ray.models.weights.share_numpy_state``, the function Train workers use for frozen
   upstream tensors. No copy: N consumers on the node read the object store's one copy.
-- **object store, shared packed** (cascade-ray's hand-off now): the producer packs the state into
-  one buffer (``pack_state``, a copy, timed as part of the producer) and ``ray.put``s it; each
-  consumer's ``ray.get`` maps one buffer instead of one per tensor, then ``share_numpy_state``
-  as above.
 
 The copying paths' consumers hold a module built before timing (its tensors allocated and
-written); the shared paths' consumers build theirs (``torch.empty``, untouched: a Train worker's
+written); the shared path's consumers build theirs (``torch.empty``, untouched: a Train worker's
 random init would touch it) before each round, untimed, since the share replaces those tensors.
 Once, untimed, a consumer of each path returns a sha256 of every tensor it holds, checked against
 the producer's. Each N runs ``--repeats`` times, the paths rotating which goes first; medians.
@@ -38,8 +34,7 @@ forward would), then reports ``/proc/self/smaps_rollup``: RSS, PSS (shared pages
 processes that map them) and USS (private pages: ``Private_Clean + Private_Dirty``). Shared
 object-store pages count fully in RSS, so RSS overstates a sharing worker; USS is what the worker
 alone costs, PSS its fair share. "Flat in N" is read as at most 1.5x from the smallest to the
-largest N, for the whole hand-off and for its consumer side alone (total minus the producer's
-put). Prints ``figure: value (ratio vs baseline)``.
+largest N. Prints ``figure: value (ratio vs baseline)``.
 """
 
 from __future__ import annotations
@@ -215,8 +210,6 @@ def run_path(kind: str, state, consumers, root: Path) -> tuple[float, float]:
     import ray
     from safetensors.numpy import save_file
 
-    from cascade_ray.models.weights import pack_state
-
     t0 = time.perf_counter()
     if kind == "dir":
         ckpt = Path(tempfile.mkdtemp(prefix="ckpt-", dir=root))
@@ -226,22 +219,16 @@ def run_path(kind: str, state, consumers, root: Path) -> tuple[float, float]:
         total = time.perf_counter() - t0
         shutil.rmtree(ckpt)
         return total, t_prod
-    ref = ray.put(pack_state(state) if kind == "packed" else state)
+    ref = ray.put(state)
     t_prod = time.perf_counter() - t0
-    method = "from_store_copied" if kind == "copied" else "from_store_shared"
+    method = "from_store_shared" if kind == "shared" else "from_store_copied"
     ray.get([getattr(c, method).remote([ref]) for c in consumers])
     total = time.perf_counter() - t0
     del ref
     return total, t_prod
 
 
-PATHS = {
-    "dir": "checkpoint directory",
-    "copied": "object store, copied",
-    "shared": "object store, shared per tensor",
-    "packed": "object store, shared packed",
-}
-SHARING = ("shared", "packed")  # the paths whose consumers build a fresh module and share the hand-off
+PATHS = {"dir": "checkpoint directory", "copied": "object store, copied", "shared": "object store, shared"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("RAY_ADDRESS", None)  # an embedded Ray of our own, never someone else's cluster
     import ray
     from safetensors.numpy import save_file
-
-    from cascade_ray.models.weights import pack_state
 
     shapes_np = resnet50_shapes(args.width, args.classes)
     state = make_state(shapes_np)
@@ -291,11 +276,6 @@ def main(argv: list[str] | None = None) -> int:
         got = {"dir": ray.get(copying[0].check.remote())}
         ray.get([copying[0].from_store_copied.remote([ref]), sharing[0].from_store_shared.remote([ref])])
         got |= {"copied": ray.get(copying[0].check.remote()), "shared": ray.get(sharing[0].check.remote())}
-        ray.get(sharing[0].build.remote(False))
-        del ref
-        ref = ray.put(pack_state(state))
-        ray.get(sharing[0].from_store_shared.remote([ref]))
-        got["packed"] = ray.get(sharing[0].check.remote())
         if set(got.values()) != {want}:
             raise RuntimeError(f"a consumer's loaded state differs from the producer's: {got}")
         ray.get(sharing[0].build.remote(False))
@@ -304,15 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)")
 
         def one(kind: str, n: int) -> tuple[float, float]:
-            if kind in SHARING:
+            if kind == "shared":
                 ray.get([c.build.remote(False) for c in sharing[:n]])  # untimed: the model a worker builds
-            return run_path(kind, state, (sharing if kind in SHARING else copying)[:n], root)
+            return run_path(kind, state, (sharing if kind == "shared" else copying)[:n], root)
 
         for kind in PATHS:  # warm-up, not measured
             one(kind, n_max)
         orders = itertools.cycle(itertools.permutations(PATHS))
         results: dict[tuple[str, int], float] = {}
-        consumer_side: dict[tuple[str, int], float] = {}  # total minus the producer's part
         for n in args.consumers:
             runs: dict[str, list[float]] = {k: [] for k in PATHS}
             prod: dict[str, list[float]] = {k: [] for k in PATHS}
@@ -323,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
             base = statistics.median(runs["dir"])
             for kind, label in PATHS.items():
                 med = results[(kind, n)] = statistics.median(runs[kind])
-                consumer_side[(kind, n)] = statistics.median(t - p for t, p in zip(runs[kind], prod[kind]))
                 what = "producer write" if kind == "dir" else "put"
                 print(
                     f"N={n} {label}: {med:.3f} s ({base / med:.2f}x faster than baseline; {what} "
@@ -333,14 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         first, last = min(args.consumers), n_max
         for kind, label in PATHS.items():
             a, b = results[(kind, first)], results[(kind, last)]
-            c, d = consumer_side[(kind, first)], consumer_side[(kind, last)]
-            print(
-                f"growth N={first}->{last}, {label}: {a:.3f} s -> {b:.3f} s ({b / a:.2f}x); consumer side "
-                f"{c:.3f} s -> {d:.3f} s ({d / c:.2f}x)"
-            )
+            print(f"growth N={first}->{last}, {label}: {a:.3f} s -> {b:.3f} s ({b / a:.2f}x)")
 
         # memory at the largest N: the sharing actors still hold the last round's views
-        one("packed", last)
+        one("shared", last)
         ref = ray.put(state)  # the copying actors end holding their own copy (the last round's)
         ray.get([c.from_store_copied.remote([ref]) for c in copying[:last]])
         del ref
@@ -350,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for kind, label in (
             ("copied", "checkpoint directory / object store, copied"),
-            ("shared", "object store, shared packed (the hand-off now)"),
+            ("shared", "object store, shared"),
         ):
             m = {k: statistics.median(r[k] for r in mem[kind]) / MIB for k in ("rss", "pss", "uss")}
             print(
@@ -363,12 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             f"private memory (USS) per worker, shared vs copied: {uss_shared / MIB:.0f} vs {uss_copy / MIB:.0f} MiB "
             f"({uss_shared / uss_copy:.3f}x); shared USS minus an idle worker's is what the stage costs it"
         )
-        speedup = results[("dir", last)] / results[("packed", last)]
-        growth = results[("packed", last)] / results[("packed", first)]
+        speedup = results[("dir", last)] / results[("shared", last)]
+        growth = results[("shared", last)] / results[("shared", first)]
         print(
-            f"P3 target: object store (shared packed) >= 5x faster than a checkpoint directory at N={last}: "
-            f"{speedup:.2f}x -> {'met' if speedup >= 5 else 'NOT met'}; flat in N (<= 1.5x from N={first} to "
-            f"N={last}): {growth:.2f}x -> {'met' if growth <= 1.5 else 'NOT met'}"
+            f"P3 target: object store (shared) >= 5x faster than a checkpoint directory at N={last}: {speedup:.2f}x -> "
+            f"{'met' if speedup >= 5 else 'NOT met'}; flat in N (<= 1.5x from N={first} to N={last}): {growth:.2f}x -> "
+            f"{'met' if growth <= 1.5 else 'NOT met'}"
         )
     finally:
         ray.shutdown()
