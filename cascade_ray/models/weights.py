@@ -32,101 +32,6 @@ _READ_ONLY_WARNING = "The given NumPy array is not writable"
 SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
 
 
-# numpy dtype -> torch dtype, for the views of a packed buffer (numpy has no bfloat16)
-_TORCH_DTYPES = {
-    np.dtype(n): getattr(torch, t)
-    for n, t in [
-        ("float64", "float64"),
-        ("float32", "float32"),
-        ("float16", "float16"),
-        ("int64", "int64"),
-        ("int32", "int32"),
-        ("int16", "int16"),
-        ("int8", "int8"),
-        ("uint8", "uint8"),
-        ("bool", "bool"),
-    ]
-}
-
-
-# Offsets in a packed buffer are multiples of this (any dtype's alignment; a cache line).
-PACK_ALIGN = 64
-
-
-class PackedState(Mapping[str, np.ndarray]):
-    """A numpy state dict held in one contiguous byte buffer, read as a mapping of views.
-
-    What the driver ``ray.put``s for a hand-off: Ray carries the one buffer out of band
-    (zero-copy into every reader's address space) and pickles only the small index, so a
-    reader's ``ray.get`` costs the same for 3 tensors or 300, where a plain dict of arrays
-    costs one buffer object per tensor. Entries are read-only views when the buffer is
-    (``ray.get`` results are); :meth:`tensors` gives them as torch tensors in one pass.
-    """
-
-    __slots__ = ("_buffer", "_index")
-
-    def __init__(self, buffer: np.ndarray, index: Mapping[str, tuple[str, tuple[int, ...], int]]):
-        if buffer.dtype != np.uint8 or buffer.ndim != 1:
-            raise ValueError(f"a packed state's buffer is 1-d uint8, got {buffer.dtype} {buffer.shape}")
-        self._buffer = buffer
-        self._index = dict(index)  # key -> (numpy dtype str, shape, byte offset)
-
-    def __reduce__(self):
-        return (PackedState, (self._buffer, self._index))
-
-    def _span(self, key: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
-        dtype, shape, offset = self._index[key]
-        dt = np.dtype(dtype)
-        return dt, tuple(shape), offset, dt.itemsize * int(np.prod(shape, dtype=np.int64))
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        dt, shape, offset, nbytes = self._span(key)
-        return self._buffer[offset : offset + nbytes].view(dt).reshape(shape)
-
-    def __iter__(self):
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._index
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._buffer.nbytes)
-
-    def tensors(self, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Entries as CPU tensors sharing the buffer (no copy), from one ``torch.from_numpy``."""
-        with warnings.catch_warnings():
-            # read-only buffer (the object store's): callers share, never write (share_numpy_state)
-            warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
-            flat = torch.from_numpy(self._buffer)
-        out: dict[str, torch.Tensor] = {}
-        for key in self._index if keys is None else keys:
-            dt, shape, offset, nbytes = self._span(key)
-            out[key] = flat[offset : offset + nbytes].view(_TORCH_DTYPES[dt]).view(shape)
-        return out
-
-
-def pack_state(state: Mapping[str, np.ndarray]) -> PackedState:
-    """One copy of `state` into a single buffer (each entry at a :data:`PACK_ALIGN` offset)."""
-    arrays = {k: np.asarray(v) for k, v in state.items()}
-    for key, arr in arrays.items():
-        if arr.dtype not in _TORCH_DTYPES:
-            raise TypeError(f"{key}: dtype {arr.dtype} cannot be packed (torch has no view of it)")
-    index: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    offset = 0
-    for key, arr in arrays.items():
-        index[key] = (arr.dtype.str, tuple(arr.shape), offset)
-        offset += -(-arr.nbytes // PACK_ALIGN) * PACK_ALIGN
-    buffer = np.empty(offset, np.uint8)
-    for key, arr in arrays.items():
-        start = index[key][2]
-        buffer[start : start + arr.nbytes].view(arr.dtype).reshape(arr.shape)[...] = arr
-    return PackedState(buffer, index)
-
-
 def to_numpy_state(state: Mapping[str, torch.Tensor]) -> NumpyState:
     """A detached CPU numpy copy of a state dict (bf16 is widened to fp32)."""
     out: NumpyState = {}
@@ -190,15 +95,15 @@ def share_numpy_state(module: nn.Module, state: Mapping[str, np.ndarray], keys: 
         The keys now shared, sorted.
     """
     current = module.state_dict(keep_vars=True)
-    if isinstance(state, PackedState):  # the hand-off's form: one buffer, sliced
-        candidates = state.tensors(keys)
-    else:
-        with warnings.catch_warnings():
-            # torch warns that it cannot mark a tensor read-only. Safe here: see the docstring,
-            # nothing writes these tensors and the frozen digest would show it if anything did.
-            warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
-            candidates = {key: torch.from_numpy(np.asarray(state[key])) for key in keys}
-    views = {k: v for k, v in candidates.items() if v.dtype == current[k].dtype and v.shape == current[k].shape}
+    views: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        # torch warns that it cannot mark a tensor read-only. Safe here: see the docstring,
+        # nothing writes these tensors and the frozen digest would show it if anything did.
+        warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
+        for key in keys:
+            view = torch.from_numpy(np.asarray(state[key]))
+            if view.dtype == current[key].dtype and view.shape == current[key].shape:
+                views[key] = view
     # assign=True: the module takes these tensors (wrapped in Parameters where it had
     # Parameters, requires_grad kept) instead of copying into its own
     module.load_state_dict(views, strict=False, assign=True)

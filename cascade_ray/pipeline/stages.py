@@ -32,7 +32,7 @@ from cascade_ray.models.freeze import apply_freeze, plan_trainable
 from cascade_ray.models.meta import meta_device
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.pretrained import pretrained_sha256
-from cascade_ray.models.weights import NumpyState, PackedState, pack_state, state_digests
+from cascade_ray.models.weights import NumpyState, state_digests
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_artifact
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
@@ -48,16 +48,9 @@ from cascade_ray.tracking import TrackingContext
 class Handoff:
     """A finished stage, ready to be the frozen upstream of the next one."""
 
-    state: PackedState  # what `ref` holds, kept on the driver for its own checks
+    state: NumpyState
     ref: ray.ObjectRef
     fingerprint: str
-
-
-def _handoff(state: NumpyState, fingerprint: str) -> Handoff:
-    """`state` packed into one buffer (``models.weights.PackedState``) and put once: every
-    next-stage worker's ``ray.get`` then maps one array, whatever the number of tensors."""
-    packed = pack_state(state)
-    return Handoff(packed, ray.put(packed), fingerprint)
 
 
 @dataclass(frozen=True)
@@ -291,7 +284,7 @@ class StageSession:
             artifact=str(artifact.path),
             **extra,
         ).to_json()
-        return record, _handoff(state, fields.fingerprint)  # one put; every next-stage worker reads it
+        return record, Handoff(state, ray.put(state), fields.fingerprint)  # one put; every next-stage worker reads it
 
     def _import(
         self, index: int, upstream: Handoff | None, *, fp: str, started: float
@@ -345,4 +338,4 @@ class StageSession:
         record = StageRecord.from_manifest(
             manifest, name=stage.name, type=stage.type, status="reused", wall_s=0.0, artifact=str(path)
         ).to_json()
-        return record, _handoff(state, fp)
+        return record, Handoff(state, ray.put(state), fp)

@@ -1,9 +1,6 @@
-"""Frozen upstream weights are views of the hand-off's arrays (no copy), and behave as copies did;
-the hand-off's packed form (one buffer for every tensor) crosses pickle as one buffer."""
+"""Frozen upstream weights are views of the hand-off's arrays (no copy), and behave as copies did."""
 
 from __future__ import annotations
-
-import pickle
 
 import numpy as np
 import pytest
@@ -12,62 +9,22 @@ from paths import CONFIGS
 
 from cascade_ray.checks import load_config
 from cascade_ray.models.freeze import frozen_digest
-from cascade_ray.models.weights import PackedState, load_numpy_state, pack_state, to_numpy_state
+from cascade_ray.models.weights import load_numpy_state, to_numpy_state
 from cascade_ray.stage.setup import build_stage_model
 
 
-def _as_ray_get(packed: PackedState) -> PackedState:
-    """Through pickle as Ray carries an object: protocol 5, buffers out of band and read-only."""
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(packed, protocol=5, buffer_callback=buffers.append)
-    return pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers])
-
-
-@pytest.fixture(scope="module", params=["dict", "packed"])
-def upstream(digits, request):
-    """Stage 0 of debug.yaml with non-trivial BatchNorm statistics, read-only as ``ray.get`` returns it:
-    a dict of arrays, or the driver's hand-off form (``pack_state``, one buffer)."""
+@pytest.fixture(scope="module")
+def upstream(digits):
+    """Stage 0 of debug.yaml with non-trivial BatchNorm statistics, read-only as ``ray.get`` returns it."""
     cfg = load_config(CONFIGS / "debug.yaml")
     model, _ = build_stage_model(cfg, 0, digits, None)
     model.train()
     with torch.no_grad():
         model(torch.randn(16, 1, 8, 8), heads=["features"])
     state = to_numpy_state(model.state_dict())
-    if request.param == "packed":
-        return _as_ray_get(pack_state(state))
     for array in state.values():
         array.setflags(write=False)
     return state
-
-
-def test_a_packed_state_crosses_pickle_as_one_buffer_bit_for_bit():
-    rng = np.random.default_rng(0)
-    state = {
-        "a.weight": rng.normal(size=(3, 5)).astype(np.float32),
-        "a.bias": rng.normal(size=7).astype(np.float64),  # odd sizes: every entry starts aligned anyway
-        "bn.num_batches_tracked": np.array(11, np.int64),  # 0-d
-        "mask": rng.integers(0, 2, size=(2, 3)).astype(bool),
-        "half": rng.normal(size=(4,)).astype(np.float16),
-    }
-    packed = pack_state(state)
-    buffers: list[pickle.PickleBuffer] = []
-    pickle.dumps(packed, protocol=5, buffer_callback=buffers.append)
-    assert len(buffers) == 1, "one out-of-band buffer, whatever the number of tensors"
-    got = _as_ray_get(packed)
-    assert list(got) == list(state) and len(got) == len(state) and "mask" in got and "nope" not in got
-    for key, array in state.items():
-        assert got[key].dtype == array.dtype and got[key].shape == array.shape and np.array_equal(got[key], array)
-        assert got[key].flags.aligned, key
-    with pytest.raises(ValueError, match="read-only"):
-        got["a.weight"][...] = 0
-    tensors = got.tensors()
-    assert all(torch.equal(tensors[k], torch.from_numpy(np.array(v))) for k, v in state.items())
-    assert all(np.shares_memory(tensors[k].numpy(), got[k]) for k in state)
-
-
-def test_pack_state_refuses_a_dtype_torch_cannot_view():
-    with pytest.raises(TypeError, match="names: dtype <U3 cannot be packed"):
-        pack_state({"names": np.array(["abc"])})
 
 
 def _open_last_layer():
