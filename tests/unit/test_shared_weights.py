@@ -9,7 +9,7 @@ from paths import CONFIGS
 
 from cascade_ray.checks import load_config
 from cascade_ray.models.freeze import frozen_digest
-from cascade_ray.models.weights import load_numpy_state, to_numpy_state
+from cascade_ray.models.weights import load_numpy_state, share_numpy_state, to_numpy_state
 from cascade_ray.stage.setup import build_stage_model
 
 
@@ -95,3 +95,41 @@ def test_ddp_leaves_frozen_state_out_of_its_broadcasts(digits, upstream, tmp_pat
     frozen = {id(t) for k, t in model.state_dict(keep_vars=True).items() if k in plan.frozen_keys}
     assert not any(id(b) in frozen for b in ddp.modules_buffers), "a frozen buffer would be broadcast each forward"
     assert any(True for _ in ddp.modules_buffers), "the opened layer's BatchNorm buffers are still synced"
+
+
+class _Renamed(torch.nn.Module):
+    """A module whose state dict names its weight ``w`` (hooks both ways): not an attribute path."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(3, 2)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+        def out(module, state, prefix, local_metadata):
+            state[prefix + "w"] = state.pop(prefix + "inner.weight")
+
+        def back(module, state, prefix, *args):
+            if prefix + "w" in state:
+                state[prefix + "inner.weight"] = state.pop(prefix + "w")
+
+        self.register_state_dict_post_hook(out)
+        self.register_load_state_dict_pre_hook(back)
+
+
+def test_share_sets_parameters_and_buffers_by_attribute_and_hands_other_keys_to_load_state_dict():
+    model = torch.nn.Sequential(_Renamed(), torch.nn.BatchNorm1d(2))
+    model.requires_grad_(False)
+    model[1].weight.requires_grad_(True)  # kept as it was, as load_state_dict(assign=True) keeps it
+    state = {k: np.full(v.shape, 2, v.detach().numpy().dtype) for k, v in model.state_dict().items()}
+    for array in state.values():
+        array.setflags(write=False)
+    assert "0.w" in state and "0.inner.weight" not in state
+    shared = share_numpy_state(model, state, list(state))
+    assert shared == sorted(state)
+    after = model.state_dict(keep_vars=True)
+    for key, array in state.items():
+        assert np.shares_memory(after[key].detach().numpy(), array), key
+    assert isinstance(model[0].inner.weight, torch.nn.Parameter) and not model[0].inner.weight.requires_grad
+    assert isinstance(model[1].weight, torch.nn.Parameter) and model[1].weight.requires_grad
+    assert not isinstance(model[1].running_mean, torch.nn.Parameter) and "running_mean" in model[1]._buffers
+    assert model[0].count.dtype == torch.int64 and int(model[0].count) == 2
