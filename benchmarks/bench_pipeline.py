@@ -139,7 +139,7 @@ def run_candidate(config: Path, storage: Path, overrides: list[str] = ()) -> dic
     }
 
 
-def run_baseline(config: Path, storage: Path) -> dict:
+def run_baseline(config: Path, storage: Path, overrides: list[str] = ()) -> dict:
     from ray import cloudpickle
 
     import benchmarks.baselines.plain_chain as plain_chain
@@ -148,7 +148,7 @@ def run_baseline(config: Path, storage: Path) -> dict:
     cloudpickle.register_pickle_by_value(plain_chain)  # Ray workers need not find benchmarks/ on their path
     log_path = storage / "loop_times.jsonl"
     original_loop = plain_chain.train_stage
-    cfg = load_config(config, [f"storage_path={storage}"])
+    cfg = load_config(config, [f"storage_path={storage}", *overrides])
     plain_chain.train_stage = timed_loop(original_loop, str(log_path))
     try:
         t0 = time.perf_counter()
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config)
     cache = [f"stages[{i}].freeze.cache_features={args.feature_cache}" for i in range(1, len(cfg.stages))]
+    # both sides in fp32: the plain loop has no autocast (precision auto would pick bf16 on a native-bf16 CPU)
+    fp32 = [f"stages[{i}].solver.precision=fp32" for i in range(len(cfg.stages))]
     root = Path(tempfile.mkdtemp(prefix="bench-pipeline-")).resolve()
     env = apply_ray_env_defaults()
     t0 = time.perf_counter()
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"bench_pipeline: {args.config.name} ({plan}); ray {ray.__version__}, ray.init(num_cpus=2) once ({init_s:.1f} s, not timed), "
-            f"env {env}; cascade-ray feature cache {args.feature_cache}; {args.repeats} runs each, alternating, medians",
+            f"env {env}; cascade-ray feature cache {args.feature_cache}; precision fp32 on both sides; {args.repeats} runs "
+            "each, alternating, medians",
             flush=True,
         )
         t0 = time.perf_counter()
@@ -214,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 storage = root / f"{rep}-{kind}"
                 storage.mkdir()
                 r = (
-                    run_candidate(args.config, storage, cache)
+                    run_candidate(args.config, storage, [*cache, *fp32])
                     if kind == "candidate"
-                    else run_baseline(args.config, storage)
+                    else run_baseline(args.config, storage, fp32)
                 )
                 runs[kind].append(r)
                 print(

@@ -47,7 +47,9 @@ def run(cfg, data, variant: tuple[str, str, bool], steps: int, warmup: int, batc
     memory_format = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
     model, optimizer = build(cfg, data, memory_format, compiled)
     stage = cfg.stages[0]
-    x_all = (torch.from_numpy(data.x_train[: batch * 8]).float() - float(data.mean)) / float(data.std)
+    x_all = (torch.from_numpy(data.x_train[: batch * 8]).float() - torch.as_tensor(data.mean)) / torch.as_tensor(
+        data.std
+    )
     y_all = torch.from_numpy(data.y_train[: batch * 8])
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 

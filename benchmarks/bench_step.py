@@ -136,7 +136,8 @@ def run_baseline(cfg, data) -> _Clock:
     n = len(data.y_train)
     total = min(train.epochs * math.ceil(n / train.batch_size), train.max_steps)
     x_all, y_all = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
-    mean, std = float(data.mean), float(data.std)
+    # per-channel statistics, broadcastable to a batch row, as the loop uses them
+    mean, std = torch.from_numpy(data.mean), torch.from_numpy(data.std)
     xv, yv = torch.from_numpy(data.x_val), torch.from_numpy(data.y_val)
 
     @torch.no_grad()

@@ -72,7 +72,7 @@ def train_stage(config: dict[str, Any]) -> None:
     optimizer = getattr(torch.optim, stage.solver.type)(
         params, lr=stage.solver.lr, weight_decay=stage.solver.weight_decay
     )
-    mean, std = float(data.mean), float(data.std)
+    mean, std = torch.as_tensor(data.mean), torch.as_tensor(data.std)  # per channel, broadcastable to a batch
     x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
     x_val, y_val = torch.from_numpy(np.array(data.x_val)), torch.from_numpy(np.array(data.y_val))
     head = stage.name
@@ -167,12 +167,12 @@ def run_plain_chain(cfg, storage: Path, *, log=print) -> dict[str, Any]:
         log(f"  plain {stage.name}: {stages[-1]['wall_s']:.1f} s")
     # the composed model on the test split, like the pipeline's final evaluation
     model = build_cascade(
-        cfg, require_plans(cfg, data.image_shape, data.num_classes), data.num_classes, upto=len(cfg.stages) - 1
+        cfg, require_plans(cfg, data.input_shape, data.num_classes), data.num_classes, upto=len(cfg.stages) - 1
     )
     load_numpy_state(model, load_file(str(Path(upstream_dir) / WEIGHTS)))
     model.eval()
     head = cfg.stages[-1].name
     with torch.no_grad():
-        x = (torch.from_numpy(np.array(data.x_test)).float() - float(data.mean)) / float(data.std)
+        x = (torch.from_numpy(np.array(data.x_test)).float() - torch.as_tensor(data.mean)) / torch.as_tensor(data.std)
         accuracy = float((model(x, heads=[head])[head].argmax(1).numpy() == data.y_test).mean())
     return {"stages": stages, "test_accuracy": accuracy}
