@@ -1,0 +1,53 @@
+"""The Ray-free benchmark scripts still run against the code they measure (tiny settings).
+
+`bench_step.py`, its bare baseline and `bench_precision.py` had stopped running once the data
+statistics became per-channel arrays, and nothing noticed until a re-measure. These run each
+for a few steps (bench_step on its own config, the demo's first stage on Fashion-MNIST;
+bench_precision on the digits): the figures are not checked (they are benchmarks, not timed
+tests), the work is: both loops of bench_step must end bit-identical.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from paths import CONFIGS, ROOT
+
+TIMEOUT_S = 300
+
+
+def _bench(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done.stdout
+
+
+def test_bench_step_runs_both_loops_to_the_same_loss():
+    out = _bench("bench_step.py", "--max-steps", "3", "--repeats", "1")
+    assert "(bit-identical)" in out, out[-2000:]
+    assert "P1 target: run_stage step throughput" in out
+
+
+def test_bench_precision_times_every_variant():
+    out = _bench(
+        "bench_precision.py",
+        "--config",
+        str(CONFIGS / "debug.yaml"),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+    )
+    for variant in ("fp32 contiguous", "fp32 channels_last", "bf16 contiguous", "bf16 channels_last"):
+        assert f"{variant}: " in out, out[-2000:]
