@@ -123,9 +123,9 @@ def _assign_views(module: nn.Module, views: Mapping[str, torch.Tensor]) -> dict[
     for key, view in views.items():
         path, _, leaf = key.rpartition(".")
         owner = owners.get(path)
-        params = owner._parameters if owner is not None else {}
-        if owner is not None and isinstance(params.get(leaf), nn.Parameter):
-            setattr(owner, leaf, nn.Parameter(view, requires_grad=params[leaf].requires_grad))
+        param = owner._parameters.get(leaf) if owner is not None else None
+        if isinstance(param, nn.Parameter):
+            setattr(owner, leaf, nn.Parameter(view, requires_grad=param.requires_grad))
         elif owner is not None and isinstance(owner._buffers.get(leaf), torch.Tensor):
             setattr(owner, leaf, view)
         else:

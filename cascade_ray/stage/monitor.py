@@ -24,6 +24,7 @@ from cascade_ray.errors import FrozenDriftError, HealthError
 from cascade_ray.models.freeze import TrainablePlan, check_frozen, frozen_digest
 from cascade_ray.solver.schedule import LrSchedule
 from cascade_ray.solver.step import Precision, grad_norm, is_dtensor
+from cascade_ray.stage.sharding import local
 
 if TYPE_CHECKING:
     from cascade_ray.stage.setup import StageSetup
@@ -266,7 +267,7 @@ class HealthMonitor:
         for the same parameters, as the graph is the same on every rank)."""
         if not self.sharded:
             return bool(grad.any())
-        return self.all_sum([float(_local(grad).any())])[0] > 0
+        return self.all_sum([float(local(grad).any())])[0] > 0
 
     def _check_grad_flow(self, step: int) -> None:
         if step == 1:
@@ -381,11 +382,7 @@ class HealthMonitor:
 
 def _flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """All parameters (this rank's shards of sharded ones) as one fp32 vector (a copy)."""
-    return torch.cat([_local(p.detach()).reshape(-1).float() for p in params])
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+    return torch.cat([local(p.detach()).reshape(-1).float() for p in params])
 
 
 def _mean(values: list[float]) -> float:
