@@ -26,6 +26,7 @@ non-finite check) or computed from all-reduced gradients, so every rank fails th
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import os
 import time
@@ -48,11 +49,14 @@ from cascade_ray.models.freeze import frozen_digest
 from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import remember_plans
 from cascade_ray.solver import EarlyStopping, clip_gradients
+from cascade_ray.stage.batched_resume import ResumeWriter, read_resume
 from cascade_ray.stage.loop import Reporter
 from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.progress import format_trial
+from cascade_ray.stage.resume import restore_trainer_state, trainer_state
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 from cascade_ray.stage.startup import StartupClock
+from cascade_ray.storage import as_storage
 
 
 @dataclass
@@ -74,6 +78,63 @@ class Replica:
     best_epoch: int = 0
     best_own: dict[str, torch.Tensor] | None = None  # the stage's own tensors at best_score
     error: str | None = None  # the health rule that failed this replica (then done, never the best)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The stage's own tensors (its module and head; not the frozen upstream), detached copies."""
+        own = self.setup.stage.name
+        return {n: v.detach().clone() for n, v in self.setup.model.state_dict().items() if n.split(".")[1] == own}
+
+    def resume_state(self, epochs_done: int) -> dict[str, Any]:
+        """Everything this replica continues from after `epochs_done` epochs (:mod:`.batched_resume`)."""
+        s = self.setup
+        with self.turn():  # trainer_state records the process's RNG: this replica's, inside its turn
+            trainer = trainer_state(
+                s.optimizer,
+                s.scheduler,
+                s.precision,
+                self.stopper,
+                epochs_done=epochs_done,
+                step=self.step,
+                skipped=self.monitor.skipped,
+                history=self.history,
+            )
+        return {
+            "own": self.own_state(),
+            "trainer": trainer,
+            "done": self.done,
+            "best_score": self.best_score,
+            "best_epoch": self.best_epoch,
+            "best_own": self.best_own,
+            "error": self.error,
+        }
+
+    def restore(self, state: Mapping[str, Any], k: int) -> int:
+        """Continue from :meth:`resume_state`; returns the epochs it had done.
+
+        Raises:
+            CascadeError: the state's tensors are not this replica's (another architecture).
+        """
+        s = self.setup
+        mine = self.own_state()
+        theirs = state["own"]
+        if set(theirs) != set(mine) or any(theirs[n].shape != mine[n].shape for n in mine):
+            raise CascadeError(
+                f"batched replica {k} of stage {s.stage.name!r}: the resume state holds other tensors than the "
+                "replica's module and head; rerun without --resume to train the sweep's configs from the start"
+            )
+        s.model.load_state_dict(theirs, strict=False)  # the frozen upstream stays the hand-off's
+        with self.turn():  # the saved RNG state becomes this replica's stream
+            epochs, self.step, self.monitor.skipped, self.history = restore_trainer_state(
+                state["trainer"], s.optimizer, s.scheduler, s.precision, self.stopper, s.stage.name
+            )
+        self.monitor.scheduled = s.scheduler.steps
+        self.done, self.error = bool(state["done"]), state["error"]
+        self.best_score, self.best_epoch, self.best_own = (
+            state["best_score"],
+            int(state["best_epoch"]),
+            state["best_own"],
+        )
+        return epochs
 
     def fail(self, exc: CascadeError) -> None:
         """Stop this replica for good: a health rule with policy ``error`` fired."""
@@ -105,6 +166,7 @@ class BatchedOutcome:
     best_epoch: int
     world_size: int
     startup: dict[str, float] | None = None  # rank 0's start-up phases (stage/startup.py), set by the loop
+    resumed_after: int | None = None  # the epochs a resume state had done (None: trained from the start)
 
 
 def run_batched(
@@ -122,6 +184,9 @@ def run_batched(
     tracking: Mapping[str, Any] | None = None,
     nodes: list[str] | None = None,
     clock: StartupClock | None = None,
+    resume: Mapping[str, Any] | None = None,
+    save: Callable[[int, list[dict[str, Any]]], None] | None = None,
+    fault: Callable[[int], None] | None = None,
 ) -> BatchedOutcome:
     """Train stage `index` of every config in `cfgs` at once (:func:`train_replicas`), then report
     the best replica.
@@ -133,7 +198,7 @@ def run_batched(
     `tracking` (rank 0, ``loggers:``): the driver's tracking context; each replica's epoch rows
     then go live to its own trial run (``<stage> trial replica-<k>``, tagged with `nodes`), which
     ends FAILED when a health rule failed the replica or the job raised. `clock` gets the
-    ``setup`` and ``first_step`` marks (:func:`train_replicas`).
+    ``setup`` and ``first_step`` marks; `resume`, `save` and `fault` as :func:`train_replicas`.
     """
     trackers = _replica_trackers(tracking, cfgs, index, nodes or []) if tracking else []
     try:
@@ -150,6 +215,9 @@ def run_batched(
             wrap=wrap,
             on_epoch=(lambda k, row: trackers[k].log("epoch", row)) if trackers else None,
             clock=clock,
+            resume=resume,
+            save=save,
+            fault=fault,
         )
     except BaseException:
         for t in trackers:
@@ -175,7 +243,12 @@ def run_batched(
     metrics = dict(winner.history[winner.best_epoch - 1]) | {"replica": best}
     reporter.report(metrics, state if reporter.rank == 0 else None)
     return BatchedOutcome(
-        [r.history for r in replicas], [r.error for r in replicas], best, winner.best_epoch, reporter.world
+        [r.history for r in replicas],
+        [r.error for r in replicas],
+        best,
+        winner.best_epoch,
+        reporter.world,
+        resumed_after=int(resume["epochs_done"]) if resume is not None else None,
     )
 
 
@@ -193,6 +266,9 @@ def train_replicas(
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     on_epoch: Callable[[int, dict[str, float]], None] | None = None,
     clock: StartupClock | None = None,
+    resume: Mapping[str, Any] | None = None,
+    save: Callable[[int, list[dict[str, Any]]], None] | None = None,
+    fault: Callable[[int], None] | None = None,
 ) -> list[Replica]:
     """Every config's replica of stage `index`, trained for the stage's epochs on shared batches.
 
@@ -202,8 +278,14 @@ def train_replicas(
     live trackers, on rank 0). `clock` is marked ``setup`` once every replica is built and
     ``first_step`` once every replica has taken its first optimizer step.
 
+    `resume` (:meth:`Replica.resume_state` of every replica, as :mod:`.batched_resume` keeps it)
+    continues each replica after the epochs it records; `save(epochs_done, states)` gets every
+    replica's state at each epoch end (rank 0's writer); `fault(step)` is called after each
+    optimizer step (the fault-injection test hook).
+
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
+        CascadeError: `resume` holds another number of replicas, or other tensors.
     """
     if features is None:
         raise ConfigError(
@@ -219,7 +301,25 @@ def train_replicas(
     better = (lambda a, b: a > b) if ckpt_mode == "max" else (lambda a, b: a < b)
     if base.train.sanity_val_steps:  # a broken evaluation fails now, not after the first epoch
         _evaluate(replicas, val_src, reporter, prefix="sanity_", max_batches=base.train.sanity_val_steps)
-    for epoch in range(base.train.epochs):
+    start = 0
+    if resume is not None:
+        if len(resume["replicas"]) != len(replicas):
+            raise CascadeError(
+                f"stage {base.name!r}: the batched sweep's resume state holds {len(resume['replicas'])} replicas, "
+                f"the sweep has {len(replicas)}; rerun without --resume to train its configs from the start"
+            )
+        start = min(r.restore(state, k) for k, (r, state) in enumerate(zip(replicas, resume["replicas"])))
+        if reporter.rank == 0:
+            print(f"[{base.name}] batched sweep resumed after epoch {start}: {len(replicas)} replicas", flush=True)
+
+    def stepped(step: int) -> None:
+        if clock is not None:
+            clock.mark("first_step")
+        if fault is not None:
+            fault(step)
+
+    trained = None  # the last epoch this job trained
+    for epoch in range(start, base.train.epochs):
         live = [r for r in replicas if not r.done]
         if not live:
             break
@@ -229,7 +329,7 @@ def train_replicas(
             reporter,
             seed=stage_seed(cfgs[0], index),
             epoch=epoch,
-            on_step=(lambda: clock.mark("first_step")) if clock is not None else None,
+            on_step=stepped,
         )
         totals = reporter.all_sum([float(seen), *sums])  # one collective for every replica
         for r, loss_sum in zip(live, sums):
@@ -242,9 +342,7 @@ def train_replicas(
             if reporter.rank == 0:
                 print(f"WARNING [{base.name}] batched replica {replicas.index(r)} failed: {r.error}", flush=True)
         kept = [(k, r) for k, r in enumerate(live) if r.error is None]
-        if not kept:
-            continue
-        val = dict(zip((k for k, _ in kept), _evaluate([r for _, r in kept], val_src, reporter)))
+        val = dict(zip((k for k, _ in kept), _evaluate([r for _, r in kept], val_src, reporter))) if kept else {}
         live = [r for _, r in kept]
         for k, r in kept:
             metrics = {
@@ -259,17 +357,18 @@ def train_replicas(
             r.history.append(metrics)
             score = metrics[ckpt_metric]
             if r.best_score is None or better(score, r.best_score):
-                own = r.setup.stage.name
-                r.best_score, r.best_epoch = score, epoch + 1
-                r.best_own = {
-                    n: v.detach().clone() for n, v in r.setup.model.state_dict().items() if n.split(".")[1] == own
-                }
+                r.best_score, r.best_epoch, r.best_own = score, epoch + 1, r.own_state()
             r.setup.scheduler.step_epoch(metrics)
             r.done = r.stopper.update(metrics)
             if on_epoch is not None:
                 on_epoch(replicas.index(r), metrics)
-        if reporter.rank == 0:
+        if save is not None:  # every replica as it stands now: a killed job resumes after this epoch
+            save(epoch + 1, [r.resume_state(epoch + 1) for r in replicas])
+        if reporter.rank == 0 and kept:
             _print_replicas(base.name, replicas, epoch + 1, base.train.epochs, metric, mode)
+        trained = epoch + 1
+    if save is not None and resume is not None and trained is None:  # nothing left to train: this job
+        save(start, [r.resume_state(start) for r in replicas])  # keeps the state it continued, as its own
     return replicas
 
 
@@ -326,11 +425,11 @@ def _train_epoch(
     *,
     seed: int,
     epoch: int,
-    on_step: Callable[[], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> tuple[int, list[float], float]:
     """One epoch: every batch read once and stepped by every live replica. Returns (samples
-    seen on this rank, each replica's sample-weighted loss sum, wall seconds). `on_step()` is
-    called after each window every live replica has stepped."""
+    seen on this rank, each replica's sample-weighted loss sum, wall seconds). `on_step(step)` is
+    called after each window every live replica has stepped (`step`: the furthest replica's count)."""
     train, solver = live[0].setup.stage.train, live[0].setup.stage.solver
     for r in live:
         r.setup.model.train()
@@ -365,7 +464,7 @@ def _train_epoch(
                     r.step += 1
                     _guarded(r, lambda r=r, skipped=skipped: r.monitor.after_step(r.step, skipped, sums[id(r)]))
         if last and on_step is not None:
-            on_step()
+            on_step(max(r.step for r in live))
     return seen, [sums[id(r)].item() for r in live], time.perf_counter() - started
 
 
@@ -387,12 +486,14 @@ def _evaluate(
 
 def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     """Entry point Ray Train runs on every worker of a batched sweep (``loop_config`` as a stage
-    fit's, plus ``replicas``: each replica's pipeline config, and ``select``: metric and mode)."""
+    fit's, plus ``replicas``: each replica's pipeline config, ``select``: metric and mode, and
+    ``resume``: where this job keeps its resume state, its key, and the verified state of an
+    earlier attempt to continue from, if any)."""
     import ray
     import ray.train.torch
 
     from cascade_ray.checks import validate_config
-    from cascade_ray.stage.worker import RayReporter, _ddp_wrapper
+    from cascade_ray.stage.worker import FaultInjection, RayReporter, _ddp_wrapper
 
     base = loop_config["pipeline"]
     index = int(loop_config["stage_index"])
@@ -417,6 +518,19 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
     reporter = RayReporter(device)
     wrap = _ddp_wrapper(cfgs[0].stages[index], device) if reporter.world > 1 else None
     select = loop_config["select"]
+    resume, save = None, None
+    if (keep := loop_config.get("resume")) is not None:
+        folder = as_storage(keep["dir"])
+        # a restarted worker group (max_failures) continues this job's own newest epoch; a fresh
+        # one the earlier attempt the driver found and verified (tune --resume)
+        point = read_resume(folder)
+        if point is not None and point.key == keep["key"]:
+            resume = point.load()
+        elif keep.get("ref"):
+            resume = torch.load(io.BytesIO(ray.get(keep["ref"][0])), weights_only=True, map_location="cpu")
+        if reporter.rank == 0:
+            save = ResumeWriter(folder, keep["key"]).save
+    fault = FaultInjection(loop_config.get("fault_once", ""), cfgs[0].stages[index].name, reporter.rank)
     outcome = run_batched(
         cfgs,
         index,
@@ -431,6 +545,9 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
         tracking=loop_config.get("tracking") if reporter.rank == 0 else None,
         nodes=reporter.nodes,
         clock=clock,
+        resume=resume,
+        save=save,
+        fault=fault.at_step,
     )
     return dataclasses.asdict(dataclasses.replace(outcome, startup=clock.record())) if reporter.rank == 0 else None
 

@@ -107,7 +107,11 @@ class FaultInjection:
         self.step, self.marker = (int(step), Path(marker)) if self.armed else (0, Path())
 
     def __call__(self, state: Any) -> None:
-        if self.armed and state.step == self.step:
+        self.at_step(state.step)
+
+    def at_step(self, step: int) -> None:
+        """Kill this worker if `step` is the armed one (the batched loop calls this directly)."""
+        if self.armed and step == self.step:
             self.marker.write_text(f"killed at step {self.step}\n")
             os._exit(17)  # a crash, not an exception: Ray sees the worker die
 
