@@ -99,7 +99,7 @@ def stage_runners(cfg: PipelineConfig, options: RunOptions) -> dict[str, StageRu
             )
         if options.batched or space.batched:  # K configs in one TorchTrainer job, if the space allows it
             check_batchable(cfg, space, str(path), options.config_arg)
-            runners[stage] = BatchedSweepRunner(space, str(path))
+            runners[stage] = BatchedSweepRunner(space, str(path), resume=options.resume)
             continue
         runners[stage] = SweepRunner(space, str(path), resume=options.resume, trust_state=options.trust_tune_state)
     return runners

@@ -14,6 +14,7 @@ stops, a stage without cached features) is refused before Ray starts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import tempfile
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import ray
 import yaml
 
 from cascade_ray.config.schema import PipelineConfig
@@ -29,9 +31,10 @@ from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.features import cache_decision
 from cascade_ray.pipeline.fit import fit_stage
-from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession
+from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.stage.batched import batched_train_loop_per_worker
-from cascade_ray.storage import StorageDir, write_table
+from cascade_ray.stage.batched_resume import LATEST, RESUME_DIR, ResumePoint, read_resume
+from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
 from cascade_ray.tune.space import TuneSpace, current_values
 from cascade_ray.tune.sweep import STARTUP_FILE, param_space, search_algorithm, trial_config
@@ -141,15 +144,24 @@ class BatchedSweepRunner:
 
     space: TuneSpace
     space_file: str
+    resume: bool = False  # --resume: continue the newest interrupted attempt of the same configs
 
     def __call__(self, session: StageSession, index: int, upstream: Handoff | None) -> StageOutcome:
         started = time.perf_counter()
-        outcome = batched_sweep(session, index, self.space, upstream)
+        outcome = batched_sweep(session, index, self.space, upstream, resume=self.resume)
         return finish_sweep(session, index, upstream, outcome, self.space.metric, started)
 
 
-def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream: Handoff | None) -> SweepOutcome:
-    """Every sampled config of stage `index` trained in one TorchTrainer job; the outputs a plain sweep writes."""
+def batched_sweep(
+    session: StageSession, index: int, space: TuneSpace, upstream: Handoff | None, *, resume: bool = False
+) -> SweepOutcome:
+    """Every sampled config of stage `index` trained in one TorchTrainer job; the outputs a plain sweep writes.
+
+    Each attempt (``trials/batched-a<N>``) keeps every replica's state after each epoch
+    (:mod:`cascade_ray.stage.batched_resume`). With `resume`, the newest attempt whose state was
+    written by the same configs on the same upstream and data is verified and continued by a new
+    attempt, from the epoch it had reached; without one, every config trains from the start.
+    """
     exp_dir = session.out / "tune" / space.stage
     cache = session.feature_cache(index, upstream)
     if cache is None or session.stream is not None or upstream is None:
@@ -163,9 +175,22 @@ def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream:
             ]
         )
     values = sample_values(session.cfg, space)
-    replicas = [trial_config(session.cfg, space.stage, v).model_dump(mode="json") for v in values]
+    configs = [trial_config(session.cfg, space.stage, v) for v in values]
+    replicas = [c.model_dump(mode="json") for c in configs]
+    key = replicas_key(configs, index, upstream.fingerprint, session.data_fp)
+    point = find_resume(exp_dir / "trials", key) if resume else None
     run = exp_dir / "trials" / _free_name(exp_dir / "trials")
     session.log(f"batched sweep of {space.stage!r}: {len(values)} configs in one TorchTrainer job ({run})")
+    if point is not None:
+        session.log(
+            f"batched sweep of {space.stage!r}: resuming {point.folder.parent.name} after epoch {point.epochs_done} "
+            f"(state {point.folder}, verified)"
+        )
+    elif resume:
+        session.log(
+            f"batched sweep of {space.stage!r}: no earlier attempt of these {len(values)} configs kept a resume "
+            "state: training them from the start"
+        )
     result = fit_stage(
         session.cfg,
         index,
@@ -176,10 +201,20 @@ def batched_sweep(session: StageSession, index: int, space: TuneSpace, upstream:
         features_ref=cache.ref,
         options=RunOptions(log_level=session.options.log_level),
         train_loop=batched_train_loop_per_worker,
-        loop_extra={"replicas": replicas, "select": {"metric": space.metric, "mode": space.mode}},
+        loop_extra={
+            "replicas": replicas,
+            "select": {"metric": space.metric, "mode": space.mode},
+            "resume": {
+                "dir": full_uri(run / RESUME_DIR),
+                "key": key,
+                "ref": [ray.put(point.blob)] if point is not None else [],  # one read, every worker
+            },
+        },
         tracking=session.tracking,  # rank 0 logs each replica's epochs as a trial run (replica-<k>)
     )
     histories, errors, best = (result.return_value[k] for k in ("histories", "errors", "best"))
+    if (after := result.return_value.get("resumed_after")) is not None:
+        session.log(f"batched sweep of {space.stage!r}: its {len(values)} replicas continued after epoch {after}")
     # the one fit's start-up phases, where a Tune trial writes its own (bench_trial_startup reads both)
     (run / STARTUP_FILE).write_text(json.dumps(result.return_value.get("startup")))
     rows = replica_rows(run.name, values, histories, errors, space.metric, space.mode)
@@ -232,7 +267,38 @@ def replica_rows(
     return rows
 
 
+def replicas_key(configs: list[PipelineConfig], index: int, upstream_fp: str, data_fp: str) -> str:
+    """What a resume state must have been written by: every replica's stage fingerprint (its
+    config, the upstream's fingerprint, the data, the seed, the package version), in order."""
+    prints = [stage_fingerprint(c, index, upstream_fp, data_fp) for c in configs]
+    return hashlib.sha256(json.dumps(prints).encode()).hexdigest()
+
+
+def find_resume(trials: StorageDir, key: str) -> ResumePoint | None:
+    """The verified resume state of the newest attempt under `trials` written with `key`
+    (:func:`replicas_key`), or None. Attempts of other configs are passed over; a damaged state
+    of a matching attempt raises (:func:`~cascade_ray.stage.batched_resume.read_resume`)."""
+    if not trials.exists():
+        return None
+    for attempt in sorted(trials.glob("batched-a*"), key=lambda p: _attempt_number(p.name), reverse=True):
+        latest = attempt / RESUME_DIR / LATEST
+        if not latest.exists():
+            continue
+        try:
+            written_with = json.loads(latest.read_text()).get("key")
+        except ValueError:
+            written_with = key  # damaged: read_resume says so, naming the file
+        if written_with == key:
+            return read_resume(attempt / RESUME_DIR)
+    return None
+
+
+def _attempt_number(name: str) -> int:
+    number = name.rsplit("-a", 1)[-1]
+    return int(number) if number.isdigit() else -1
+
+
 def _free_name(folder: StorageDir) -> str:
     """``batched-aN``, N one past the highest attempt in `folder` (Ray resumes a run name that exists)."""
-    taken = [int(p.name.rsplit("-a", 1)[1]) for p in folder.glob("batched-a*") if p.name.rsplit("-a", 1)[1].isdigit()]
+    taken = [_attempt_number(p.name) for p in folder.glob("batched-a*")] if folder.exists() else []
     return f"batched-a{max(taken, default=0) + 1}"
