@@ -120,3 +120,52 @@ def test_a_batched_sweep_writes_the_plain_sweeps_outputs_and_adopts_the_best_rep
         f"batched sweep pipeline (features + encoder + 4-replica 2-worker classifier): {elapsed:.1f} s; "
         f"lone 2-worker classifier fit: {lone_s:.1f} s; max |adopted - lone| {worst:.2e}"
     )
+
+
+def test_a_killed_batched_job_continues_after_its_last_epoch_and_resume_reuses_its_state(sweep, tmp_path, monkeypatch):
+    """On the module run's upstream (copied, reused by --resume): rank 0 is killed in the second
+    epoch and the restarted worker group (max_failures: 1) continues every replica after the
+    first, from the job's own resume state; a later ``tune --resume`` verifies that state and
+    continues it in a new attempt. Both end with the module's uninterrupted sweep's epochs."""
+    import shutil
+
+    from cascade_ray.constants import FAULT_ONCE_ENV
+
+    cfg, summary, _, tmp = sweep
+    for stage in ("features", "encoder"):
+        shutil.copytree(Path(summary["storage"]) / "stages" / stage, tmp_path / cfg.name / "stages" / stage)
+    exp = Path(summary["storage"]) / "tune" / "classifier"
+    reference = json.loads((exp / "replicas.json").read_text())
+    kill_at = reference[0]["history"][0]["step"] + 1  # the first optimizer step of the second epoch
+    marker = tmp_path / "killed.txt"
+    monkeypatch.setenv(FAULT_ONCE_ENV, f"classifier:{kill_at}:{marker}")
+    space = tmp / "classifier.yaml"
+    again = load_config(
+        CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", *QUICK, "stages.classifier.max_failures=1"]
+    )
+    options = RunOptions(spaces=(("classifier", str(space)),), stop_after="classifier", batched=True, resume=True)
+
+    def sweep_again():
+        logs = []
+        record = run_pipeline(again, options, log=logs.append)["stages"][2]
+        mine = json.loads((tmp_path / cfg.name / "tune" / "classifier" / "replicas.json").read_text())
+        assert [r["values"] for r in mine] == [r["values"] for r in reference]
+        for ours, theirs in zip(mine, reference):
+            assert len(ours["history"]) == len(theirs["history"]) == cfg.stages[2].train.epochs
+            for row, ref in zip(ours["history"], theirs["history"]):
+                for name in ("train_loss", "val_loss", "val_accuracy", "lr", "step"):
+                    assert row[name] == pytest.approx(ref[name], rel=1e-5), name
+        assert record["sweep"]["trials"] == 4
+        return "\n".join(logs), record
+
+    log, record = sweep_again()
+    assert marker.exists(), "the fault was never injected"
+    assert "no earlier attempt of these 4 configs kept a resume state" in log
+    assert "its 4 replicas continued after epoch 1" in log  # the restarted group, from this job's own state
+    assert record["metrics"]["val_loss"] == pytest.approx(summary["stages"][2]["metrics"]["val_loss"], rel=1e-5)
+
+    log, _ = sweep_again()  # a finished job's state: continued after its last epoch, nothing retrained
+    assert "resuming batched-a1 after epoch 2" in log and "continued after epoch 2" in log
+    trials = tmp_path / cfg.name / "tune" / "classifier" / "trials"
+    assert sorted(p.name for p in trials.iterdir()) == ["batched-a1", "batched-a2"]
+    assert sorted(p.name for p in (trials / "batched-a2" / "resume").iterdir()) == ["latest.json", "state-e0002.pt"]
