@@ -157,3 +157,24 @@ def test_the_newest_attempt_of_the_same_configs_is_found(tmp_path, inputs):
     point = find_resume(trials, key)
     assert point.folder == trials / "batched-a10" / "resume" and point.epochs_done == 2  # a10 is newer than a2
     assert find_resume(trials, "a-key-no-attempt-has") is None
+
+
+def test_the_state_is_kept_and_verified_on_s3(s3):
+    """The same writer and reader on the moto S3 server: an object put replaces latest.json whole,
+    the earlier epoch's object is deleted after it, and a flipped byte is refused."""
+    from cascade_ray.storage import as_storage
+
+    folder = as_storage(s3.uri("batched-resume", "trials", "batched-a1", "resume"))
+    writer = ResumeWriter(folder, "k")
+    for epochs in (1, 2):
+        writer.save(epochs, [{"own": {"w": torch.full((3,), float(epochs))}}])
+    point = read_resume(folder)
+    assert point.epochs_done == 2 and point.load()["replicas"][0]["own"]["w"].tolist() == [2.0, 2.0, 2.0]
+    assert sorted(p.name for p in folder.iterdir()) == [LATEST, "state-e0002.pt"]
+    assert find_resume(as_storage(s3.uri("batched-resume", "trials")), "k").folder == folder
+    state = folder / "state-e0002.pt"
+    blob = bytearray(state.read_bytes())
+    blob[-5] ^= 0xFF
+    state.write_bytes(bytes(blob))
+    with pytest.raises(CascadeError, match=r"state-e0002\.pt: the resume state is damaged"):
+        read_resume(folder)
