@@ -528,6 +528,7 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
             resume = point.load()
         elif keep.get("ref"):
             resume = torch.load(io.BytesIO(ray.get(keep["ref"][0])), weights_only=True, map_location="cpu")
+        same_resume_on_every_rank(reporter, resume, folder)
         if reporter.rank == 0:
             save = ResumeWriter(folder, keep["key"]).save
     fault = FaultInjection(loop_config.get("fault_once", ""), cfgs[0].stages[index].name, reporter.rank)
@@ -550,6 +551,29 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
         fault=fault.at_step,
     )
     return dataclasses.asdict(dataclasses.replace(outcome, startup=clock.record())) if reporter.rank == 0 else None
+
+
+def same_resume_on_every_rank(reporter: Any, resume: Mapping[str, Any] | None, folder: Any) -> None:
+    """Stop a job whose ranks would continue from different epochs (DDP would silently diverge).
+
+    Each rank reads the resume state itself; they differ when `folder` is a local path that is
+    not shared between the nodes. One all-reduce of (epoch, epoch**2), the epoch -1 for none:
+    the ranks agree exactly when both sums are the world size times this rank's values.
+
+    Raises:
+        CascadeError: the ranks found different states (the message names the folder and the fix).
+    """
+    if reporter.world == 1:
+        return
+    epoch = float(resume["epochs_done"]) if resume is not None else -1.0
+    total, squares = reporter.all_sum([epoch, epoch * epoch])
+    if total != reporter.world * epoch or squares != reporter.world * epoch * epoch:
+        mine = f"after epoch {int(epoch)}" if resume is not None else "no state"
+        raise CascadeError(
+            f"the batched job's {reporter.world} ranks found different resume states under {folder} "
+            f"(rank {reporter.rank}: {mine}): the folder is not the same on every node. Set storage_path to "
+            "shared storage (a path every node mounts, or s3://bucket/prefix, gs://bucket/prefix)"
+        )
 
 
 def _replica_trackers(

@@ -178,3 +178,25 @@ def test_the_state_is_kept_and_verified_on_s3(s3):
     state.write_bytes(bytes(blob))
     with pytest.raises(CascadeError, match=r"state-e0002\.pt: the resume state is damaged"):
         read_resume(folder)
+
+
+class _Ranks:
+    """A rank of a `world`-rank job whose all_sum adds the other ranks' values (given)."""
+
+    def __init__(self, others):
+        self.rank, self.world, self.others = 0, 1 + len(others), others
+
+    def all_sum(self, values):
+        return [v + sum(o[i] for o in self.others) for i, v in enumerate(values)]
+
+
+def test_ranks_that_found_different_states_stop_naming_the_folder_and_the_fix():
+    from cascade_ray.stage.batched import same_resume_on_every_rank
+
+    state = {"epochs_done": 2}
+    same_resume_on_every_rank(_Ranks([[2.0, 4.0]]), state, "/runs/x/resume")  # both after epoch 2
+    same_resume_on_every_rank(_Ranks([[-1.0, 1.0]] * 3), None, "/runs/x/resume")  # none found one
+    for others, mine in (([[-1.0, 1.0]], state), ([[1.0, 1.0], [3.0, 9.0]], state), ([[2.0, 4.0]], None)):
+        # a rank on another node saw no state; two ranks whose mean is this one's; this rank saw none
+        with pytest.raises(CascadeError, match=r"ranks found different resume states under /runs/x/resume.*shared"):
+            same_resume_on_every_rank(_Ranks(others), mine, "/runs/x/resume")
