@@ -118,14 +118,17 @@ def test_a_state_of_another_number_of_replicas_is_refused(inputs, digits, uninte
         _run(inputs, digits, resume=state)
 
 
+def _flip_a_byte(path):
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 0xFF
+    path.write_bytes(bytes(blob))
+
+
 def test_a_damaged_state_is_refused_naming_the_file_and_the_fix(tmp_path):
     writer = ResumeWriter(tmp_path, "k")
     writer.save(1, [{"own": {"w": torch.ones(2)}}])
     assert read_resume(tmp_path).load()["replicas"][0]["own"]["w"].tolist() == [1.0, 1.0]
-    state = tmp_path / "state-e0001.pt"
-    blob = bytearray(state.read_bytes())
-    blob[-5] ^= 0xFF
-    state.write_bytes(bytes(blob))
+    _flip_a_byte(tmp_path / "state-e0001.pt")
     with pytest.raises(CascadeError, match=r"state-e0001\.pt: the resume state is damaged .*without --resume"):
         read_resume(tmp_path)
     (tmp_path / LATEST).write_text("{not json")
@@ -172,10 +175,7 @@ def test_the_state_is_kept_and_verified_on_s3(s3):
     assert point.epochs_done == 2 and point.load()["replicas"][0]["own"]["w"].tolist() == [2.0, 2.0, 2.0]
     assert sorted(p.name for p in folder.iterdir()) == [LATEST, "state-e0002.pt"]
     assert find_resume(as_storage(s3.uri("batched-resume", "trials")), "k").folder == folder
-    state = folder / "state-e0002.pt"
-    blob = bytearray(state.read_bytes())
-    blob[-5] ^= 0xFF
-    state.write_bytes(bytes(blob))
+    _flip_a_byte(folder / "state-e0002.pt")
     with pytest.raises(CascadeError, match=r"state-e0002\.pt: the resume state is damaged"):
         read_resume(folder)
 
