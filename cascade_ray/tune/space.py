@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cascade_ray.checks import validate_config
 from cascade_ray.config.metrics import epoch_metric_names, metric_mode
@@ -62,7 +62,11 @@ class TuneSpace(_Strict):
 
     stage: str = Field(description="Name of the stage to sweep; earlier stages are frozen and shared.")
     metric: str = Field("val_accuracy", description="Reported metric to optimize.")
-    mode: Literal["max", "min"] = Field("max", description="Maximize or minimize the metric.")
+    mode: Literal["max", "min"] = Field(
+        "max",
+        description="Maximize or minimize the metric. `mode: batched` is short for `batched: true` with the "
+        "metric's own direction (max for accuracies, min for losses and errors).",
+    )
     num_samples: int = Field(4, ge=1, description="Trials to sample (per grid point when a grid is used).")
     max_concurrent_trials: int | None = Field(
         None, ge=1, description="Trials at once; default: as many as the cluster's CPUs/GPUs can place."
@@ -84,6 +88,20 @@ class TuneSpace(_Strict):
         "for a stage on cached features whose space varies only solver.* and loss.* values, with scheduler "
         "fifo and search random or grid; anything else is refused before Ray starts.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_batched(cls, raw: Any) -> Any:
+        """``mode: batched`` (the short form) -> ``batched: true`` and the metric's own direction."""
+        if not isinstance(raw, dict) or raw.get("mode") != "batched":
+            return raw
+        if raw.get("batched") is False:
+            raise ValueError(
+                "mode: batched asks for a batched sweep but batched: false refuses it; drop one of the two "
+                "(for a plain sweep set mode: max or min)"
+            )
+        metric = raw.get("metric", cls.model_fields["metric"].default)
+        return {**raw, "batched": True, "mode": metric_mode(metric) if isinstance(metric, str) else "max"}
 
 
 def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:

@@ -170,6 +170,30 @@ def test_batched_in_the_space_file_is_checked_as_the_flag(tmp_path, inputs):
     assert {i.path for i in caught.value.issues} == {"space.model.dropout", "scheduler.type"}
 
 
+def test_mode_batched_is_the_short_form_of_batched_true(tmp_path, inputs):
+    """The issue's spelling, ``mode: batched``: a batched sweep ranked in the metric's own direction."""
+    from cascade_ray.api import RunOptions, stage_runners
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tune.batched import BatchedSweepRunner
+    from cascade_ray.tune.space import load_space
+
+    cfg = inputs[0]
+
+    def space(head: str):
+        path = tmp_path / "short.yaml"
+        path.write_text(f"stage: classifier\n{head}{FIFO}space: {{solver.lr: {{loguniform: [1e-3, 1e-2]}}}}\n")
+        return path
+
+    short = load_space(space("mode: batched\n"), cfg)
+    assert short.batched and short.mode == "max" and short.metric == "val_accuracy"
+    by_loss = load_space(space("metric: val_loss\nmode: batched\n"), cfg)
+    assert by_loss.batched and by_loss.mode == "min"
+    (runner,) = stage_runners(cfg, RunOptions(spaces=(("classifier", str(space("mode: batched\n"))),))).values()
+    assert isinstance(runner, BatchedSweepRunner)
+    with pytest.raises(ConfigError, match="mode: batched asks for a batched sweep but batched: false refuses it"):
+        load_space(space("mode: batched\nbatched: false\n"), cfg)
+
+
 def test_the_configs_are_the_plain_sweeps_trials(inputs):
     """Sampled by the plain sweep's BasicVariantGenerator: the current values first (random
     search), the pipeline seed fixing the rest; a grid is every value times num_samples."""
