@@ -1,8 +1,9 @@
-"""Batched sweep vs Tune trials: the debug cascade's classifier swept over 16 configs.
+"""Batched sweep vs Tune trials: a cascade's classifier swept over 16 configs.
 
-    flock /tmp/cascade-cpu.lock /work/main/.venv/bin/python benchmarks/bench_batched.py [--configs 16] [--repeats 2]
+    flock /tmp/cascade-cpu.lock /work/main/.venv/bin/python benchmarks/bench_batched.py [--configs 16] [--repeats 2] [--config PATH]
 
-Workload: ``pipelines/configs/debug.yaml`` (digits), the shipped ``tune_spaces/classifier.yaml``
+Workload: ``--config`` (default ``pipelines/configs/debug.yaml``, digits; the demo is
+``pipelines/configs/three_stage.yaml``, Fashion-MNIST), the shipped ``tune_spaces/classifier.yaml``
 space (lr and weight decay, random search, FIFO) with ``num_samples`` raised to `--configs`, on top
 of features/encoder artifacts trained once beforehand (not timed; reused with ``resume``). Embedded
 ``ray.init(num_cpus=2)``, started once, not timed. Three ways, each a ``run_pipeline(...,
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the cascade whose classifier is swept")
     args = parser.parse_args(argv)
     from cascade_ray.hardware import hardware_line
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         space = yaml.safe_load(SPACE.read_text()) | {"num_samples": samples, "scheduler": {"type": "fifo"}}
         spaces[name] = root / f"classifier-{name}.yaml"
         spaces[name].write_text(yaml.safe_dump(space))
-    cfg = load_config(CONFIG, [f"storage_path={root}"])
+    cfg = load_config(args.config, [f"storage_path={root}"])
     ray.init(
         num_cpus=2, runtime_env={"env_vars": apply_ray_env_defaults()}, log_to_driver=False, include_dashboard=False
     )
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         run_pipeline(cfg, RunOptions(stop_after="encoder"), log=lambda _: None)
         print(
-            f"{args.configs}-config sweep of classifier ({SPACE.name} space, FIFO) on {CONFIG.name}; upstream trained "
+            f"{args.configs}-config sweep of classifier ({SPACE.name} space, FIFO) on {args.config.name}; upstream trained "
             f"in {time.perf_counter() - t0:.1f} s (not timed); ray {ray.__version__}; 2 CPUs",
             flush=True,
         )
