@@ -743,6 +743,15 @@ class StageConfig(_Strict):
         "this stage's solver (-1 = all). Those layers leave the frozen digest.",
     )
     freeze: FreezeConfig = Field(default_factory=FreezeConfig, description="Frozen-upstream handling (feature cache).")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**32 - 1,
+        description="This stage's own seed for its weight initialization and the random streams of its training "
+        "(dropout, augmentation); null: derived from the pipeline `seed` and the stage's position. The batch "
+        "order always follows the pipeline seed, so sweeping it (`space: {seed: {grid: [0, 1, 2]}}`, plain or "
+        "batched) varies the initialization and dropout of one stage on the same batches.",
+    )
     max_failures: int = Field(
         0,
         ge=-1,

@@ -91,6 +91,8 @@ def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str
     and the sha256 of its pretrained file's bytes (a changed file never reuses an old artifact)."""
     stage = cfg.stages[index].model_dump(mode="json")
     stage.pop("freeze", None)  # how the inputs are computed (feature cache), not what is trained
+    if stage.get("seed") is None:  # unset: the pipeline seed decides (below), as before the key existed
+        stage.pop("seed", None)
     # how many checkpoints are kept changes no weights; which one becomes the artifact does, so a
     # non-default ranking enters (and the default leaves every fingerprint as it was)
     retention = stage["train"].pop("checkpoint", {})

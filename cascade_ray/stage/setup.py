@@ -235,8 +235,15 @@ def _compile(model: CascadeModel, stage: StageConfig, path: str, device: torch.d
 
 
 def stage_seed(cfg: PipelineConfig, index: int) -> int:
-    """Seed of stage `index`: distinct per stage, fixed by the pipeline seed."""
+    """Seed of stage `index`'s batch order: distinct per stage, fixed by the pipeline seed."""
     return cfg.seed * 1009 + index
+
+
+def init_seed(cfg: PipelineConfig, index: int) -> int:
+    """Seed of stage `index`'s initialization and training random streams: ``stages[i].seed`` when
+    set, else :func:`stage_seed` (so a stage without one trains exactly as before the key existed)."""
+    own = cfg.stages[index].seed
+    return stage_seed(cfg, index) if own is None else own
 
 
 def build_stage_model(
@@ -256,7 +263,7 @@ def build_stage_model(
     module; `log` gets the notes (dtype casts, keys ``strict: false`` left out).
     """
     plans = require_plans(cfg, data.input_shape, data.out_width)
-    torch.manual_seed(stage_seed(cfg, index))
+    torch.manual_seed(init_seed(cfg, index))
     model = build_cascade(cfg, plans, data.out_width, upto=index)
     stage = cfg.stages[index]
     if stage.pretrained is not None:

@@ -39,7 +39,8 @@ from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
 from cascade_ray.tune.space import TuneSpace, current_values
 from cascade_ray.tune.sweep import STARTUP_FILE, param_space, search_algorithm, trial_config
 
-PER_REPLICA = ("solver.", "loss.")  # what each replica sets up on its own (optimizer, lr plan, loss)
+# what each replica sets up on its own (optimizer, lr plan, loss; its initialization and dropout stream)
+PER_REPLICA = ("solver.", "loss.", "seed")
 SHARED = {  # per-replica prefixes a replica still cannot vary
     "solver.accumulation_steps": "every replica steps on the same shared accumulation windows",
 }
@@ -68,7 +69,7 @@ def batch_issues(
         if key.startswith(PER_REPLICA) and not any(key == s or key.startswith(s + ".") for s in SHARED):
             continue
         why = next((w for s, w in SHARED.items() if key == s or key.startswith(s + ".")), None)
-        why = why or WHY_SHARED.get(key.split(".")[0], "only solver.* and loss.* values are per replica")
+        why = why or WHY_SHARED.get(key.split(".")[0], "only solver.*, loss.* values and seed are per replica")
         issues.append(ConfigIssue(f"space.{key}", f"a batched sweep cannot vary {key}: {why}", plain))
     if space.scheduler.type == "asha":
         issues.append(

@@ -85,7 +85,7 @@ class TuneSpace(_Strict):
     batched: bool = Field(
         False,
         description="Train every sampled config at once in one TorchTrainer job (`cascade-ray tune --batched`): "
-        "for a stage on cached features whose space varies only solver.* and loss.* values, with scheduler "
+        "for a stage on cached features whose space varies only solver.*, loss.* values and seed, with scheduler "
         "fifo and search random or grid; anything else is refused before Ray starts.",
     )
 

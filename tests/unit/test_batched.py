@@ -29,6 +29,7 @@ VALUES = [  # per-replica solver and loss values, as a space would sample them
         "solver.grad_clip.max_norm": 0.5,
     },
     {"solver.lr": 2e-2, "loss.scale": 0.5, "solver.type": "SGD"},
+    {"solver.lr": 1e-2, "solver.weight_decay": 0.0, "seed": 7},  # the first config with its own stage seed
 ]
 
 
@@ -71,8 +72,10 @@ def test_each_replica_ends_with_the_weights_of_its_config_trained_alone(inputs, 
             for name in ("train_loss", "val_loss", "val_accuracy", "lr", "step"):
                 assert mine[name] == pytest.approx(theirs[name], rel=1e-5), name
         finals.append(state["blocks.classifier.blocks.0.0.weight"])
-    # the replicas really differ (a shared optimizer or RNG would not show up above otherwise)
+    # the replicas really differ (a shared optimizer or RNG would not show up above otherwise);
+    # the last differs from the first by its seed alone (its own initialization and dropout)
     assert not np.allclose(finals[0], finals[1]) and not np.allclose(finals[0], finals[2])
+    assert not np.allclose(finals[0], finals[3])
 
 
 def test_the_report_is_the_best_replicas_best_epoch(inputs, lone_runs, digits):
@@ -192,6 +195,32 @@ def test_mode_batched_is_the_short_form_of_batched_true(tmp_path, inputs):
     assert isinstance(runner, BatchedSweepRunner)
     with pytest.raises(ConfigError, match="mode: batched asks for a batched sweep but batched: false refuses it"):
         load_space(space("mode: batched\nbatched: false\n"), cfg)
+
+
+def test_a_seed_sweep_is_batched_and_varies_the_initialization_only(tmp_path, inputs, digits):
+    """``seed`` is a stage key a space can vary, plain or batched: the stage's initialization and
+    dropout follow it, the batch order stays the pipeline seed's (so replicas share batches)."""
+    from cascade_ray.pipeline.stages import stage_fingerprint
+    from cascade_ray.tune.batched import batch_issues
+    from cascade_ray.tune.space import load_space
+
+    cfg = inputs[0]
+    path = tmp_path / "seeds.yaml"
+    path.write_text(f"stage: classifier\nmode: batched\n{FIFO}space: {{seed: {{grid: [0, 1, 2]}}}}\n")
+    space = load_space(path, cfg)
+    assert space.batched and batch_issues(cfg, space, str(path)) == []
+
+    def own(seed):
+        model, _ = build_stage_model(trial_config(cfg, "classifier", {"seed": seed}), STAGE, digits, inputs[2])
+        return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+    a, b, again = own(1), own(2), own(1)
+    mine = [k for k in a if k.split(".")[1] == "classifier"]
+    assert mine and all(np.array_equal(a[k], again[k]) for k in a)
+    assert any(not np.array_equal(a[k], b[k]) for k in mine)
+    assert all(np.array_equal(a[k], b[k]) for k in a if k not in mine)  # the frozen upstream is the hand-off
+    fps = {stage_fingerprint(trial_config(cfg, "classifier", {"seed": s}), STAGE, "p", "d") for s in (1, 2)}
+    assert len(fps | {stage_fingerprint(cfg, STAGE, "p", "d")}) == 3  # its own artifact per seed
 
 
 def test_the_configs_are_the_plain_sweeps_trials(inputs):
