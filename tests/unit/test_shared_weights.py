@@ -97,6 +97,32 @@ def test_ddp_leaves_frozen_state_out_of_its_broadcasts(digits, upstream, tmp_pat
     assert any(True for _ in ddp.modules_buffers), "the opened layer's BatchNorm buffers are still synced"
 
 
+def test_fsdp_shards_the_trainable_parts_and_leaves_the_frozen_upstream_shared(digits, upstream, tmp_path):
+    """``scaling.strategy: fsdp``: the frozen upstream is no FSDP parameter (not a DTensor, still a
+    view of the hand-off: one copy per node), while the stage's own parameters and the opened
+    upstream layer are sharded."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from cascade_ray.stage.sharding import is_sharded, shard_trainable
+
+    model, plan = build_stage_model(_open_last_layer(), 1, digits, upstream)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        units = shard_trainable(model, plan, torch.device("cpu"), 1)
+        params = dict(model.named_parameters())
+        frozen = [k for k in plan.frozen_keys if k in params]
+        trainable = [k for k, p in params.items() if p.requires_grad]
+        assert units >= 1 and is_sharded(model) and frozen and trainable
+        for key in frozen:
+            assert not isinstance(params[key], DTensor), key
+            assert np.shares_memory(params[key].detach().numpy(), upstream[key]), key
+        assert all(isinstance(params[k], DTensor) for k in trainable), trainable
+        assert any(k.split(".")[1] == "features" for k in trainable), "the opened upstream layer trains sharded"
+    finally:
+        dist.destroy_process_group()
+
+
 class _Renamed(torch.nn.Module):
     """A module whose state dict names its weight ``w`` (hooks both ways): not an attribute path."""
 
