@@ -156,3 +156,21 @@ def test_a_stage_trains_the_same_with_and_without_checkpointing(debug_raw, digit
     assert reports[0].keys() == reports[1].keys()
     keys = sorted(reports[0])
     np.testing.assert_allclose([reports[1][k] for k in keys], [reports[0][k] for k in keys], rtol=1e-6)
+
+
+def test_the_worker_modules_do_not_import_fsdp():
+    """torch.distributed's FSDP / DTensor / distributed-checkpoint modules are imported by a sharded
+    stage only (``stage/sharding.py`` imports them lazily), not by importing the worker's modules.
+    (torch itself imports FSDP and DTensor with ``torch._dynamo`` on an optimizer's first use, so
+    this guards cascade-ray's own imports, which are what it controls.)"""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import cascade_ray.stage.worker, cascade_ray.stage.loop, cascade_ray.stage.batched, cascade_ray.stage.setup
+heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
+print(sorted(m for m in sys.modules if m.startswith(heavy)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]
