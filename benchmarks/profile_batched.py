@@ -1,0 +1,113 @@
+"""Where a batched sweep's epoch goes: ``run_batched`` in this process (no Ray) under cProfile,
+grouped into what a replica's step is made of.
+
+    flock /tmp/cascade-cpu.lock .venv/bin/python benchmarks/profile_batched.py [--config pipelines/configs/three_stage.yaml] [--configs 16]
+
+Workload: the config's last stage as a batched sweep of `--configs` replicas (lr log-spaced over
+1e-3..1e-1, everything else the stage's own), one epoch, on the features of a randomly initialised
+upstream (how the weights were trained does not change what a step costs), as
+``bench_batched_resume.py`` sets it up. A warm-up epoch, one unprofiled epoch (the wall time
+printed as ``plain``), then one under cProfile. Prints the profiled epoch's seconds per group (torch's own
+kernels called from Python: the dropout's random draw, the rest of the dropout, backward, the
+forward's linear / activation / loss, casts) and the 15 functions with the most
+time of their own. The groups are an explanation of the wall time, not a target: cProfile adds
+its own overhead to every Python call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# group -> (file or builtin name fragment, function name) pairs whose own time the group sums
+GROUPS = {
+    "dropout: random draw (random_)": [("~", "<method 'random_' of 'torch._C.TensorBase' objects>")],
+    "dropout: mask and scale": [("dropout.py", "fast_dropout")],
+    "backward (autograd engine)": [("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>")],
+    "forward: linear": [("~", "<built-in method torch._C._nn.linear>")],
+    "forward: activation": [("~", "<built-in method torch._C._nn.gelu>"), ("~", "<built-in method relu>")],
+    "forward: loss": [("~", "<built-in method torch._C._nn.cross_entropy_loss>")],
+    "casts (.to: dropout masks, autocast)": [("~", "<method 'to' of 'torch._C.TensorBase' objects>")],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "pipelines" / "configs" / "three_stage.yaml"))
+    parser.add_argument("--configs", type=int, default=16)
+    args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
+    import numpy as np
+    import torch
+    from common import ListReporter
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.data.source import load_data
+    from cascade_ray.pipeline.features import upstream_outputs
+    from cascade_ray.stage.batched import run_batched
+    from cascade_ray.stage.setup import build_stage_model
+    from cascade_ray.tune.sweep import trial_config
+
+    probe = load_config(args.config)
+    index = len(probe.stages) - 1
+    name = probe.stages[index].name
+    cfg = load_config(args.config, [f"stages.{name}.train.epochs=1"])
+    data = load_data(cfg.data, cfg.seed)
+    model, _ = build_stage_model(cfg, index - 1, data, None)
+    upstream = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    out = upstream_outputs(cfg, index, data, upstream)
+    features = {"x_train": out["train"], "x_val": out["val"]}
+    cfgs = [trial_config(cfg, name, {"solver.lr": float(lr)}) for lr in np.logspace(-3, -1, args.configs)]
+
+    def epoch() -> float:
+        t = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_batched(
+                cfgs,
+                index,
+                data,
+                upstream,
+                features,
+                ListReporter(),
+                torch.device("cpu"),
+                metric="val_accuracy",
+                mode="max",
+            )
+        return time.perf_counter() - t
+
+    epoch()  # warm-up: first-call costs (allocations, kernels' first use), not profiled
+    plain = epoch()
+    profile = cProfile.Profile()
+    profile.enable()
+    profiled = epoch()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    own = {(Path(file).name, func): row[2] for (file, _, func), row in stats.stats.items()}  # tottime
+    steps = len(data.y_train) // cfg.stages[index].train.batch_size * args.configs
+    print(
+        f"profile_batched: {args.config}, stage {name!r}, {args.configs} replicas, 1 epoch of {len(data.y_train)} rows "
+        f"(~{steps} replica steps), features {tuple(out['train'].shape)}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; epoch {plain:.2f} s plain, {profiled:.2f} s under cProfile"
+    )
+    for group, keys in GROUPS.items():
+        seconds = sum(own.get(key, 0.0) for key in keys)
+        print(f"  {group}: {seconds:.2f} s ({seconds / profiled:.0%}; {seconds / steps * 1e3:.2f} ms per replica step)")
+    buffer = io.StringIO()
+    pstats.Stats(profile, stream=buffer).sort_stats("tottime").print_stats(15)
+    print("\n".join(line for line in buffer.getvalue().splitlines() if line.strip())[-2500:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
