@@ -78,6 +78,25 @@ def test_each_replica_ends_with_the_weights_of_its_config_trained_alone(inputs, 
     assert not np.allclose(finals[0], finals[3])
 
 
+def test_a_per_parameter_group_value_is_per_replica(inputs, digits):
+    """A space over ``solver.param_groups[0].lr`` (the head's own lr here): each replica's optimizer
+    gets its value, and the replica ends as that config trained alone."""
+    base, _, upstream, features = inputs
+    cfg = trial_config(base, "classifier", {"solver.param_groups": [{"match": "heads", "lr": 1e-2}]})
+    cfgs = [trial_config(cfg, "classifier", {"solver.param_groups[0].lr": lr}) for lr in (1e-2, 5e-2)]
+    replicas = train_replicas(
+        cfgs, STAGE, digits, upstream, features, ListReporter(), CPU, metric="val_accuracy", mode="max"
+    )
+    assert [r.setup.optimizer.param_groups[0]["lr"] for r in replicas] == [1e-2, 5e-2]
+    lone = ListReporter()
+    run_stage(cfgs[1], STAGE, digits, upstream, lone, CPU, features=features)
+    state = {k: v.detach().numpy() for k, v in replicas[1].setup.model.state_dict().items()}
+    for key, value in lone.states[-1].items():
+        np.testing.assert_allclose(state[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    head = "heads.classifier.fc.weight"
+    assert head in state and not np.allclose(state[head], replicas[0].setup.model.state_dict()[head].numpy())
+
+
 def test_the_report_is_the_best_replicas_best_epoch(inputs, lone_runs, digits):
     cfg, cfgs, upstream, features = inputs
     reporter = ListReporter()
