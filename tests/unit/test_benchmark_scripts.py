@@ -3,8 +3,9 @@
 `bench_step.py`, its bare baseline and `bench_precision.py` had stopped running once the data
 statistics became per-channel arrays, and nothing noticed until a re-measure. These run each
 for a few steps (bench_step on its own config, the demo's first stage on Fashion-MNIST;
-bench_precision on the digits): the figures are not checked (they are benchmarks, not timed
-tests), the work is: both loops of bench_step must end bit-identical.
+bench_precision, bench_batched_resume and profile_batched on the digits): the figures are not
+checked (they are benchmarks, not timed tests), the work is: both loops of bench_step must end
+bit-identical, and so must bench_batched_resume's two ways.
 """
 
 from __future__ import annotations
@@ -51,3 +52,24 @@ def test_bench_precision_times_every_variant():
     )
     for variant in ("fp32 contiguous", "fp32 channels_last", "bf16 contiguous", "bf16 channels_last"):
         assert f"{variant}: " in out, out[-2000:]
+
+
+def test_bench_batched_resume_ends_both_ways_with_the_same_weights():
+    out = _bench(
+        "bench_batched_resume.py",
+        "--config",
+        str(CONFIGS / "debug.yaml"),
+        "--configs",
+        "2",
+        "--epochs",
+        "1",
+        "--repeats",
+        "1",
+    )
+    assert "both ways' weights identical" in out, out[-2000:]
+
+
+def test_profile_batched_groups_an_epoch():
+    out = _bench("profile_batched.py", "--config", str(CONFIGS / "debug.yaml"), "--configs", "2")
+    for group in ("dropout: random draw", "backward (autograd engine)", "forward: linear"):
+        assert f"  {group}" in out, out[-2000:]
