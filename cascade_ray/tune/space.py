@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from cascade_ray.checks import validate_config
 from cascade_ray.config.metrics import epoch_metric_names, metric_mode
@@ -92,16 +93,23 @@ class TuneSpace(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _mode_batched(cls, raw: Any) -> Any:
-        """``mode: batched`` (the short form) -> ``batched: true`` and the metric's own direction."""
-        if not isinstance(raw, dict) or raw.get("mode") != "batched":
+        """``mode: batched`` (the short form) -> ``batched: true`` and the metric's own direction
+        (left as it is beside ``batched: false``, for :meth:`_mode` to refuse at its key)."""
+        if not isinstance(raw, dict) or raw.get("mode") != "batched" or raw.get("batched") is False:
             return raw
-        if raw.get("batched") is False:
-            raise ValueError(
-                "mode: batched asks for a batched sweep but batched: false refuses it; drop one of the two "
-                "(for a plain sweep set mode: max or min)"
-            )
         metric = raw.get("metric", cls.model_fields["metric"].default)
         return {**raw, "batched": True, "mode": metric_mode(metric) if isinstance(metric, str) else "max"}
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode(cls, value: Any) -> Any:
+        if value == "batched":  # only beside batched: false (see _mode_batched)
+            raise PydanticCustomError(
+                "mode_batched",
+                "mode: batched asks for a batched sweep but batched: false refuses it; drop batched: false, "
+                "or set mode: max or min for a plain sweep",
+            )
+        return value
 
 
 def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:

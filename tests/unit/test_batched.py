@@ -212,8 +212,11 @@ def test_mode_batched_is_the_short_form_of_batched_true(tmp_path, inputs):
     assert by_loss.batched and by_loss.mode == "min"
     (runner,) = stage_runners(cfg, RunOptions(spaces=(("classifier", str(space("mode: batched\n"))),))).values()
     assert isinstance(runner, BatchedSweepRunner)
-    with pytest.raises(ConfigError, match="mode: batched asks for a batched sweep but batched: false refuses it"):
+    with pytest.raises(
+        ConfigError, match="mode: batched asks for a batched sweep but batched: false refuses it"
+    ) as caught:
         load_space(space("mode: batched\nbatched: false\n"), cfg)
+    assert [i.path for i in caught.value.issues] == ["mode"]
 
 
 def test_a_seed_sweep_is_batched_and_varies_the_initialization_only(tmp_path, inputs, digits):
