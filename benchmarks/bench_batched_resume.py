@@ -44,33 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     from cascade_ray.hardware import hardware_line
 
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
-    import numpy as np
     import torch
-    from common import ListReporter
+    from common import ListReporter, last_stage_replicas
 
-    from cascade_ray.checks import load_config
-    from cascade_ray.data.source import load_data
-    from cascade_ray.pipeline.features import upstream_outputs
     from cascade_ray.stage.batched import run_batched
     from cascade_ray.stage.batched_resume import ResumeWriter, read_resume
-    from cascade_ray.stage.setup import build_stage_model
-    from cascade_ray.tune.sweep import trial_config
 
-    probe = load_config(args.config)
-    index = len(probe.stages) - 1
-    name = probe.stages[index].name
-    cfg = load_config(args.config, [f"stages.{name}.train.epochs={args.epochs}"])
-    data = load_data(cfg.data, cfg.seed)
-    started = time.perf_counter()
-    model, _ = build_stage_model(cfg, index - 1, data, None)
-    upstream = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    out = upstream_outputs(cfg, index, data, upstream)
-    features = {"x_train": out["train"], "x_val": out["val"]}
-    lrs = np.logspace(-3, -1, args.configs)
-    cfgs = [trial_config(cfg, name, {"solver.lr": float(lr)}) for lr in lrs]
+    cfg, index, data, upstream, features, cfgs, built_s = last_stage_replicas(args.config, args.configs, args.epochs)
+    name = cfg.stages[index].name
     print(
         f"bench_batched_resume: {args.config}, stage {name!r}: {args.configs} replicas, {args.epochs} epochs, "
-        f"{len(data.y_train)} training rows; upstream features computed in {time.perf_counter() - started:.1f} s "
+        f"{len(data.y_train)} training rows; upstream features computed in {built_s:.1f} s "
         f"(not timed); torch {torch.__version__}, {torch.get_num_threads()} threads; {args.repeats} repeats, medians",
         flush=True,
     )

@@ -21,3 +21,33 @@ class ListReporter:
         self.reports.append(dict(metrics))
         if state is not None:
             self.last_state = state
+
+
+def last_stage_replicas(config: str, configs: int, epochs: int):
+    """The config's last stage as a batched sweep's inputs, built in this process: (cfg with the
+    stage's epochs set, stage index, data, upstream state, cached features, `configs` replica
+    configs with lr log-spaced over 1e-3..1e-1, seconds spent building the upstream and its
+    features). The upstream is randomly initialised: how its weights were trained does not
+    change what a step of the stage costs."""
+    import time
+
+    import numpy as np
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.data.source import load_data
+    from cascade_ray.pipeline.features import upstream_outputs
+    from cascade_ray.stage.setup import build_stage_model
+    from cascade_ray.tune.sweep import trial_config
+
+    probe = load_config(config)
+    index = len(probe.stages) - 1
+    name = probe.stages[index].name
+    cfg = load_config(config, [f"stages.{name}.train.epochs={epochs}"])
+    data = load_data(cfg.data, cfg.seed)
+    started = time.perf_counter()
+    model, _ = build_stage_model(cfg, index - 1, data, None)
+    upstream = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    out = upstream_outputs(cfg, index, data, upstream)
+    features = {"x_train": out["train"], "x_val": out["val"]}
+    cfgs = [trial_config(cfg, name, {"solver.lr": float(lr)}) for lr in np.logspace(-3, -1, configs)]
+    return cfg, index, data, upstream, features, cfgs, time.perf_counter() - started

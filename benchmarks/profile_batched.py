@@ -48,27 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     from cascade_ray.hardware import hardware_line
 
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
-    import numpy as np
     import torch
-    from common import ListReporter
+    from common import ListReporter, last_stage_replicas
 
-    from cascade_ray.checks import load_config
-    from cascade_ray.data.source import load_data
-    from cascade_ray.pipeline.features import upstream_outputs
     from cascade_ray.stage.batched import run_batched
-    from cascade_ray.stage.setup import build_stage_model
-    from cascade_ray.tune.sweep import trial_config
 
-    probe = load_config(args.config)
-    index = len(probe.stages) - 1
-    name = probe.stages[index].name
-    cfg = load_config(args.config, [f"stages.{name}.train.epochs=1"])
-    data = load_data(cfg.data, cfg.seed)
-    model, _ = build_stage_model(cfg, index - 1, data, None)
-    upstream = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    out = upstream_outputs(cfg, index, data, upstream)
-    features = {"x_train": out["train"], "x_val": out["val"]}
-    cfgs = [trial_config(cfg, name, {"solver.lr": float(lr)}) for lr in np.logspace(-3, -1, args.configs)]
+    cfg, index, data, upstream, features, cfgs, _ = last_stage_replicas(args.config, args.configs, 1)
+    name = cfg.stages[index].name
 
     def epoch() -> float:
         t = time.perf_counter()
@@ -97,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = len(data.y_train) // cfg.stages[index].train.batch_size * args.configs
     print(
         f"profile_batched: {args.config}, stage {name!r}, {args.configs} replicas, 1 epoch of {len(data.y_train)} rows "
-        f"(~{steps} replica steps), features {tuple(out['train'].shape)}; torch {torch.__version__}, "
+        f"(~{steps} replica steps), features {tuple(features['x_train'].shape)}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; epoch {plain:.2f} s plain, {profiled:.2f} s under cProfile"
     )
     for group, keys in GROUPS.items():
