@@ -22,8 +22,6 @@ the same weights (checked: the benchmark fails otherwise).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import statistics
 import sys
 import tempfile
@@ -45,9 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     import torch
-    from common import ListReporter, last_stage_replicas
+    from common import last_stage_replicas, timed_batched
 
-    from cascade_ray.stage.batched import run_batched
     from cascade_ray.stage.batched_resume import ResumeWriter, read_resume
 
     cfg, index, data, upstream, features, cfgs, built_s = last_stage_replicas(args.config, args.configs, args.epochs)
@@ -71,22 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 writer.save(epochs_done, states)
                 save_times.append(time.perf_counter() - t)
 
-        reporter = ListReporter()
-        t = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()):  # the replicas' progress lines
-            run_batched(
-                cfgs,
-                index,
-                data,
-                upstream,
-                features,
-                reporter,
-                torch.device("cpu"),
-                metric="val_accuracy",
-                mode="max",
-                save=save,
-            )
-        return time.perf_counter() - t, reporter
+        return timed_batched(cfgs, index, data, upstream, features, save=save)
 
     run(False)  # warm-ups, not measured
     run(True)

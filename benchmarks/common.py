@@ -51,3 +51,32 @@ def last_stage_replicas(config: str, configs: int, epochs: int):
     features = {"x_train": out["train"], "x_val": out["val"]}
     cfgs = [trial_config(cfg, name, {"solver.lr": float(lr)}) for lr in np.logspace(-3, -1, configs)]
     return cfg, index, data, upstream, features, cfgs, time.perf_counter() - started
+
+
+def timed_batched(cfgs, index, data, upstream, features, save=None):
+    """``run_batched`` of `cfgs` on the CPU, its replicas' progress lines silenced:
+    (wall seconds, the ListReporter that got its one report)."""
+    import contextlib
+    import io
+    import time
+
+    import torch
+
+    from cascade_ray.stage.batched import run_batched
+
+    reporter = ListReporter()
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        run_batched(
+            cfgs,
+            index,
+            data,
+            upstream,
+            features,
+            reporter,
+            torch.device("cpu"),
+            metric="val_accuracy",
+            mode="max",
+            save=save,
+        )
+    return time.perf_counter() - started, reporter

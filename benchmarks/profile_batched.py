@@ -17,12 +17,10 @@ its own overhead to every Python call.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,28 +47,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     import torch
-    from common import ListReporter, last_stage_replicas
-
-    from cascade_ray.stage.batched import run_batched
+    from common import last_stage_replicas, timed_batched
 
     cfg, index, data, upstream, features, cfgs, _ = last_stage_replicas(args.config, args.configs, 1)
     name = cfg.stages[index].name
 
     def epoch() -> float:
-        t = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_batched(
-                cfgs,
-                index,
-                data,
-                upstream,
-                features,
-                ListReporter(),
-                torch.device("cpu"),
-                metric="val_accuracy",
-                mode="max",
-            )
-        return time.perf_counter() - t
+        return timed_batched(cfgs, index, data, upstream, features)[0]
 
     epoch()  # warm-up: first-call costs (allocations, kernels' first use), not profiled
     plain = epoch()
