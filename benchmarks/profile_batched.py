@@ -5,8 +5,8 @@ grouped into what a replica's step is made of.
 
 Workload: the config's last stage as a batched sweep of `--configs` replicas (lr log-spaced over
 1e-3..1e-1, everything else the stage's own), one epoch, on the features of a randomly initialised
-upstream (how the weights were trained does not change what a step costs), as
-``bench_batched_resume.py`` sets it up. A warm-up epoch, one unprofiled epoch (the wall time
+upstream (how the weights were trained does not change what a step costs), built by
+``common.last_stage_replicas`` as for ``bench_batched_resume.py``. A warm-up epoch, one unprofiled epoch (the wall time
 printed as ``plain``), then one under cProfile. Prints the profiled epoch's seconds per group (torch's own
 kernels called from Python: the dropout's random draw, the rest of the dropout, backward, the
 forward's linear / activation / loss, casts) and the 15 functions with the most
@@ -26,13 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# group -> (file or builtin name fragment, function name) pairs whose own time the group sums
+# group -> (file name, or "~" for a builtin; function name as cProfile names it) whose own time the group sums
 GROUPS = {
     "dropout: random draw (random_)": [("~", "<method 'random_' of 'torch._C.TensorBase' objects>")],
     "dropout: mask and scale": [("dropout.py", "fast_dropout")],
     "backward (autograd engine)": [("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>")],
     "forward: linear": [("~", "<built-in method torch._C._nn.linear>")],
-    "forward: activation": [("~", "<built-in method torch._C._nn.gelu>"), ("~", "<built-in method relu>")],
+    "forward: activation (gelu)": [("~", "<built-in method torch._C._nn.gelu>")],
     "forward: loss": [("~", "<built-in method torch._C._nn.cross_entropy_loss>")],
     "casts (.to: dropout masks, autocast)": [("~", "<method 'to' of 'torch._C.TensorBase' objects>")],
 }
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     profile.enable()
     profiled = epoch()
     profile.disable()
-    stats = pstats.Stats(profile)
+    buffer = io.StringIO()
+    stats = pstats.Stats(profile, stream=buffer)
     own = {(Path(file).name, func): row[2] for (file, _, func), row in stats.stats.items()}  # tottime
     steps = len(data.y_train) // cfg.stages[index].train.batch_size * args.configs
     print(
@@ -72,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for group, keys in GROUPS.items():
         seconds = sum(own.get(key, 0.0) for key in keys)
         print(f"  {group}: {seconds:.2f} s ({seconds / profiled:.0%}; {seconds / steps * 1e3:.2f} ms per replica step)")
-    buffer = io.StringIO()
-    pstats.Stats(profile, stream=buffer).sort_stats("tottime").print_stats(15)
+    stats.sort_stats("tottime").print_stats(15)
     print("\n".join(line for line in buffer.getvalue().splitlines() if line.strip())[-2500:])
     return 0
 
