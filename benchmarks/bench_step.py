@@ -1,6 +1,6 @@
 """P1 step overhead: ``run_stage``'s training throughput vs a bare PyTorch loop, same process.
 
-    /work/venv/bin/python benchmarks/bench_step.py [--repeats 3] [--max-steps 300] [--threads 1]
+    /work/venv/bin/python benchmarks/bench_step.py [--repeats 3] [--max-steps 300] [--threads 1] [--device cpu|cuda]
 
 Stage 0 (``features``, a narrow ResNet) of ``pipelines/configs/three_stage.yaml`` on the real
 Fashion-MNIST subset (``cascade_ray.data.source.load_data``), with ``stages[0].train.max_steps``
@@ -25,6 +25,12 @@ the report, the monitor's frozen digest) and setup (model build, sanity validati
 excluded from both. A second figure counts them the same way in both: samples trained /
 wall time of the whole call, the baseline also validating once before training (2 batches)
 and after each epoch (the full validation split) and taking a ``state_dict()`` per epoch.
+
+On ``--device cuda`` (GPU throughput vs a bare loop) both loops train on the GPU: batches are
+normalized on the host and copied per batch (as ``ArraySource`` does), augmentation draws on the
+device, and every step mark synchronizes the device first, in both loops alike, so a gap is the
+step's GPU time and not only its launch. The loss then matches to float tolerance, not to the bit
+(cuDNN picks its kernels per run).
 
 Runs alternate (candidate, baseline, baseline, candidate, ...) after one unmeasured warm-up
 each; the figure is the median over repetitions of the per-repetition ratio. CPU-time
@@ -66,7 +72,11 @@ class _Clock:
     samples: int = 0
     final_loss: float = math.nan
 
+    sync: bool = False  # CUDA: wait for the device's queued work before each mark
+
     def mark(self, epoch: int, samples: int) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
         self.marks.append((epoch, samples, time.perf_counter(), time.process_time()))
 
     def steady(self) -> tuple[int, float, float]:
@@ -82,12 +92,18 @@ def _batch_sizes(n: int, batch_size: int) -> list[int]:
     return [min(batch_size, n - i) for i in range(0, n, batch_size)]
 
 
-def run_candidate(cfg, data) -> _Clock:
+def _finish(clock: _Clock, w0: float, c0: float) -> None:
+    if clock.sync:
+        torch.cuda.synchronize()
+    clock.call_wall, clock.call_cpu = time.perf_counter() - w0, time.process_time() - c0
+
+
+def run_candidate(cfg, data, device: torch.device) -> _Clock:
     """``run_stage`` as it runs by default; a hook only records the time after each step."""
     from cascade_ray.stage.hooks import LoopHooks
     from cascade_ray.stage.loop import run_stage
 
-    clock = _Clock()
+    clock = _Clock(sync=device.type == "cuda")
     sizes = _batch_sizes(len(data.y_train), cfg.stages[INDEX].train.batch_size)
     counts: dict[int, int] = {}
 
@@ -98,10 +114,8 @@ def run_candidate(cfg, data) -> _Clock:
     reporter = ListReporter()
     w0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines still get formatted
-        outcome = run_stage(
-            cfg, INDEX, data, None, reporter, torch.device("cpu"), hooks=LoopHooks(after_optimizer_step=after_step)
-        )
-    clock.call_wall, clock.call_cpu = time.perf_counter() - w0, time.process_time() - c0
+        outcome = run_stage(cfg, INDEX, data, None, reporter, device, hooks=LoopHooks(after_optimizer_step=after_step))
+    _finish(clock, w0, c0)
     clock.samples = sum(sum(sizes[: last + 1]) for last in counts.values())
     clock.final_loss = float(np.float32(reporter.reports[-1]["train_loss"]))
     if outcome.steps != cfg.stages[INDEX].train.max_steps:
@@ -109,7 +123,7 @@ def run_candidate(cfg, data) -> _Clock:
     return clock
 
 
-def run_baseline(cfg, data) -> _Clock:
+def run_baseline(cfg, data, device: torch.device) -> _Clock:
     """The same training written as a plain PyTorch loop."""
     from cascade_ray.stage.setup import build_stage_model, stage_seed
 
@@ -118,12 +132,17 @@ def run_baseline(cfg, data) -> _Clock:
     from cascade_ray.hardware import detect_hardware
     from cascade_ray.solver.precision import choose_memory_format, resolve_precision
 
-    hw = detect_hardware("cpu")
+    hw = detect_hardware(device)
     precision = resolve_precision(solver.precision, hw).resolved  # what run_stage makes of precision auto here
-    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
-    clock = _Clock()
+    if precision not in ("bf16", "fp32"):
+        raise SystemExit(
+            f"bench_step: the bare loop writes bf16 and fp32 only, not {precision}: set the stage's precision"
+        )
+    amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    clock = _Clock(sync=device.type == "cuda")
     w0, c0 = time.perf_counter(), time.process_time()
     model, _ = build_stage_model(cfg, INDEX, data, None)  # seeds torch like run_stage does
+    model.to(device)
     if choose_memory_format(stage, hw, precision, model)[0] == "channels_last":  # as run_stage decides it
         model.to(memory_format=torch.channels_last)
     head = stage.name
@@ -147,8 +166,8 @@ def run_baseline(cfg, data) -> _Clock:
         for i, start in enumerate(range(0, len(yv), train.eval_batch_size)):
             if max_batches is not None and i >= max_batches:
                 break
-            xb = (xv[start : start + train.eval_batch_size].float() - mean) / std
-            yb = yv[start : start + train.eval_batch_size]
+            xb = ((xv[start : start + train.eval_batch_size].float() - mean) / std).to(device, non_blocking=True)
+            yb = yv[start : start + train.eval_batch_size].to(device, non_blocking=True)
             logits = model(xb, heads=[head])[head]
             F.cross_entropy(logits, yb, reduction="sum").item()
             correct += (logits.argmax(1) == yb).sum().item()
@@ -163,22 +182,28 @@ def run_baseline(cfg, data) -> _Clock:
         g = torch.Generator()
         g.manual_seed(stage_seed(cfg, INDEX) + epoch)
         order = torch.randperm(n, generator=g)
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         seen = 0
         for idx in order.split(train.batch_size):
-            x = (x_all[idx].float() - mean) / std
-            y = y_all[idx]
+            x = ((x_all[idx].float() - mean) / std).to(device, non_blocking=True)
+            y = y_all[idx].to(device, non_blocking=True)
             b = len(y)
             if aug.hflip:
-                flip = torch.rand(b) < 0.5
+                flip = torch.rand(b, device=device) < 0.5
                 x = torch.where(flip[:, None, None, None], x.flip(3), x)
             if aug.crop_padding:
                 p, (_, c, h, w) = aug.crop_padding, x.shape
                 padded = F.pad(x, (p, p, p, p))
-                oy, ox = torch.randint(0, 2 * p + 1, (b, 1)), torch.randint(0, 2 * p + 1, (b, 1))
-                rows = (oy + torch.arange(h))[:, None, :, None]
-                cols = (ox + torch.arange(w))[:, None, None, :]
-                x = padded[torch.arange(b)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
+                oy = torch.randint(0, 2 * p + 1, (b, 1), device=device)
+                ox = torch.randint(0, 2 * p + 1, (b, 1), device=device)
+                rows = (oy + torch.arange(h, device=device))[:, None, :, None]
+                cols = (ox + torch.arange(w, device=device))[:, None, None, :]
+                x = padded[
+                    torch.arange(b, device=device)[:, None, None, None],
+                    torch.arange(c, device=device)[None, :, None, None],
+                    rows,
+                    cols,
+                ]
             with amp():  # the stage's precision (bf16 autocast in the demo config), forward and loss
                 loss = stage.loss.scale * F.cross_entropy(
                     model(x, heads=[head])[head], y, label_smoothing=stage.loss.label_smoothing
@@ -201,7 +226,7 @@ def run_baseline(cfg, data) -> _Clock:
         model.state_dict()  # what the loop hands its reporter each epoch
         if step >= train.max_steps:
             break
-    clock.call_wall, clock.call_cpu = time.perf_counter() - w0, time.process_time() - c0
+    _finish(clock, w0, c0)
     clock.samples, clock.final_loss = samples, float(np.float32(last_loss))
     return clock
 
@@ -212,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="measured runs of each loop (interleaved)")
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both loops")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both loops train")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_step: --device cuda needs a CUDA build of torch and a visible GPU")
     from cascade_ray.hardware import hardware_line
 
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
@@ -227,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bench_step: {args.config.name} stage {stage.name} ({stage.model.type}), {data.source}: {len(data.y_train)} train / {len(data.y_val)} val, "
         f"batch {stage.train.batch_size}, {args.max_steps} steps per run, {args.repeats} interleaved repeats + 1 warm-up each, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), cpu",
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.device}",
         flush=True,
     )
-    run_candidate(cfg, data), run_baseline(cfg, data)  # warm-up (allocator, lazy init): not measured
+    run_candidate(cfg, data, device), run_baseline(cfg, data, device)  # warm-up (allocator, lazy init): not measured
     cand: list[_Clock] = []
     base: list[_Clock] = []
     for rep in range(args.repeats):
@@ -238,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             (("c", run_candidate), ("b", run_baseline)) if rep % 2 == 0 else (("b", run_baseline), ("c", run_candidate))
         )
         for kind, fn in pair:
-            (cand if kind == "c" else base).append(fn(cfg, data))
+            (cand if kind == "c" else base).append(fn(cfg, data, device))
         c, b = cand[-1].steady(), base[-1].steady()
         print(
             f"  repeat {rep + 1}: run_stage {c[0] / c[1]:.0f} samples/s, bare {b[0] / b[1]:.0f} samples/s (wall, steady)",

@@ -3,8 +3,11 @@
 #   1. what the machine has (nvidia-smi) and what torch sees (CUDA build? bf16?);
 #   2. tests/gpu: Ray Train's NCCL/gloo choice, fp16 GradScaler + bf16 autocast, the debug
 #      pipeline on GPU with use_gpu auto and bf16 / fp16 stages, 2 GPU workers + SyncBatchNorm
-#      (when there are 2 GPUs);
-#   3. the debug pipeline as a user runs it, with a bf16 features stage, printing test_accuracy.
+#      (when there are 2 GPUs), the feature cache computed by GPU tasks, batched-sweep replicas
+#      on CUDA;
+#   3. the debug pipeline as a user runs it, with a bf16 features stage, printing test_accuracy;
+#   4. GPU step throughput of run_stage vs a bare PyTorch loop (benchmarks/bench_step.py
+#      --device cuda: the demo's first stage on Fashion-MNIST, which must be installed).
 # Prints one RESULT line per part and exits non-zero if any failed.
 #
 #   bash scripts/gpu_check.sh                  # python: $PYTHON, else .venv/bin/python, else python3
@@ -45,4 +48,12 @@ else
   result bf16-pipeline FAILED
 fi
 rm -rf "$out"
+
+echo "== GPU step throughput: run_stage vs a bare loop (bench_step.py --device cuda)"
+if "$PY" benchmarks/bench_step.py --device cuda --repeats 3 2>&1 | tee "$out.bench"; then
+  grep -q "^P1 target" "$out.bench" && result gpu-step-throughput ok || result gpu-step-throughput FAILED
+else
+  result gpu-step-throughput FAILED
+fi
+rm -f "$out.bench"
 exit $failed

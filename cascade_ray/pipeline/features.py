@@ -154,7 +154,7 @@ def prepare_feature_cache(
     t0 = time.perf_counter()
     rows = rows_key(ray.get(data_ref))
     arrays = _read_parquet(path, key, sizes, log, stage.name, rows=rows, strict=stage.freeze.cache_features == "on")
-    status, nodes = "read", []
+    status, nodes, devices = "read", [], []
     if arrays is None:
         need = 4 * math.prod(in_shape) * sum(sizes.values())
         capacity = ray.cluster_resources().get("object_store_memory", 0.0)
@@ -167,15 +167,20 @@ def prepare_feature_cache(
             log(f"  {stage.name}: feature cache off: {message}")
             return None
         start = previous.stage if previous is not None and previous.stage in upstream_names else None
-        arrays, nodes = compute_features(
+        arrays, nodes, devices = compute_features(
             cfg, index, data_ref, upstream.ref, previous.ref if start else None, start, sizes
         )
         _write_parquet(path, key, arrays, rows)
         status = "computed"
     shape = tuple(arrays["x_train"].shape[1:])
     cache = FeatureCache(stage.name, ray.put(arrays), key, shape, path, status, time.perf_counter() - t0, tuple(nodes))
+    where = (
+        f" on {' + '.join(sorted(set(devices)))} ({len(devices)} {'task' if len(devices) == 1 else 'tasks'})"
+        if devices
+        else ""
+    )
     log(
-        f"  {stage.name}: feature cache {status}: upstream outputs {'x'.join(map(str, shape))} for {sum(sizes.values())} samples in {cache.seconds:.1f} s ({path})"
+        f"  {stage.name}: feature cache {status}{where}: upstream outputs {'x'.join(map(str, shape))} for {sum(sizes.values())} samples in {cache.seconds:.1f} s ({path})"
     )
     return cache
 
@@ -190,9 +195,10 @@ def compute_features(
     sizes: dict[str, int],
     *,
     where: str = "auto",
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Upstream outputs of every train/val sample, and the Ray node ids that computed them
-    (one per task, in shard order; the driver's node when the driver computed them).
+) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
+    """Upstream outputs of every train/val sample, the Ray node ids that computed them (one per
+    task, in shard order; the driver's node when the driver computed them), and the device type
+    each task computed on (``cuda`` when its task was given a GPU; empty from the driver).
 
     On a GPU stage or a multi-node cluster: one Ray task per worker of stage `index` (each
     with the stage's per-worker resources) over contiguous shards. On a single-node CPU
@@ -212,7 +218,7 @@ def compute_features(
         parts = upstream_outputs(
             cfg, index, DataSplits.from_arrays(ray.get(data_ref)), ray.get(upstream_ref), previous=previous, start=start
         )
-        return {f"x_{s}": parts[s] for s in SPLITS}, [ray.get_runtime_context().get_node_id()]
+        return {f"x_{s}": parts[s] for s in SPLITS}, [ray.get_runtime_context().get_node_id()], []
     options = {
         "num_cpus": resources.get("CPU", 0.0),
         "num_gpus": resources.get("GPU", 0.0),
@@ -234,7 +240,8 @@ def compute_features(
         for w in range(shards)
     ]
     done = ray.get(tasks)
-    return {f"x_{s}": np.concatenate([p[s] for _, p in done]) for s in SPLITS}, [node for node, _ in done]
+    arrays = {f"x_{s}": np.concatenate([p[s] for _, _, p in done]) for s in SPLITS}
+    return arrays, [node for node, _, _ in done], [kind for _, kind, _ in done]
 
 
 @ray.remote
@@ -246,8 +253,8 @@ def _features_task(
     previous_ref: list,
     start: str | None,
     ranges: dict[str, tuple[int, int]],
-) -> tuple[str, dict[str, np.ndarray]]:
-    """(this task's node id, its shard of the features)."""
+) -> tuple[str, str, dict[str, np.ndarray]]:
+    """(this task's node id, the device type it computed on, its shard of the features)."""
     from cascade_ray.checks import validate_config
     from cascade_ray.data import DataSplits
 
@@ -256,15 +263,19 @@ def _features_task(
     cfg = validate_config(raw, source="feature cache", preflight=False)
     device = torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
     previous = ray.get(previous_ref[0]) if previous_ref else None
-    return ray.get_runtime_context().get_node_id(), upstream_outputs(
-        cfg,
-        index,
-        DataSplits.from_arrays(ray.get(data_ref[0])),
-        ray.get(upstream_ref[0]),
-        previous=previous,
-        start=start,
-        ranges=ranges,
-        device=device,
+    return (
+        ray.get_runtime_context().get_node_id(),
+        device.type,
+        upstream_outputs(
+            cfg,
+            index,
+            DataSplits.from_arrays(ray.get(data_ref[0])),
+            ray.get(upstream_ref[0]),
+            previous=previous,
+            start=start,
+            ranges=ranges,
+            device=device,
+        ),
     )
 
 

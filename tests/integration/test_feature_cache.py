@@ -79,8 +79,9 @@ def test_ray_tasks_compute_the_same_features_in_one_shard_per_worker(first, ray_
     refs = [ray_session.put(data.to_arrays()), ray_session.put(upstream)]
     # the encoder has 2 workers: two tasks, each with the stage's per-worker resources (on one node
     # the pipeline computes in the driver; multi-node and GPU clusters use these tasks)
-    shards, nodes = compute_features(cfg, 1, *refs, None, None, sizes, where="tasks")
+    shards, nodes, devices = compute_features(cfg, 1, *refs, None, None, sizes, where="tasks")
     assert len(nodes) == 2 and nodes[0] == ray_session.get_runtime_context().get_node_id()  # one node here
+    assert devices == ["cpu", "cpu"]  # no GPU here: each task computed on its CPUs
     expected = upstream_outputs(cfg, 1, data, upstream)
     for split in ("train", "val"):
         np.testing.assert_allclose(shards[f"x_{split}"], expected[split], rtol=1e-4, atol=1e-5)
