@@ -278,7 +278,8 @@ def _train_epoch(
         with net.no_sync() if not last and isinstance(net, DistributedDataParallel) else nullcontext():
             with precision.autocast():
                 loss, terms = setup.loss(net, x, y)
-            precision.backward(loss / window)  # the window's gradient is the mean of its micro-batches'
+            # the window's gradient is the mean of its micro-batches' (no divide, a kernel, for a window of 1)
+            precision.backward(loss / window if window > 1 else loss)
         seen += len(y)
         loss_sum += torch.stack([loss.detach(), *[t.detach() for t in terms]]).float() * len(y)
         state.loss = loss
