@@ -13,9 +13,18 @@ Elsewhere (GPU tensors, ``inplace=True``, non-float input) it is ``nn.Dropout`` 
 in eval mode it is the identity, so exported and traced models are unchanged. It uses
 torch's default generator: seeded runs repeat exactly, and the checkpointed RNG state
 resumes the same mask sequence.
+
+Inside :func:`shared_masks` (a batched sweep's batch, ``cascade_ray.stage.batched``), a mask
+drawn from a generator state that an earlier draw of the block started from (same state, same
+shape, ``p`` and dtype) is that draw's mask, and the generator is left where that draw left
+it: exactly what drawing again would give. Replicas that share a seed then draw each batch's
+masks once instead of once each.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -23,14 +32,45 @@ from torch import nn
 _LANE_BITS = 15  # of each int16 lane: the top bit is dropped (random_ leaves an int64's sign bit 0)
 _LANE_VALUES = 1 << _LANE_BITS
 
+# (generator state, shape, p, dtype) -> (scaled keep mask, generator state after the draw);
+# None outside shared_masks(). One process trains the replicas one after another.
+_SHARED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
-def fast_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """``x`` with each element zeroed with probability ``p`` (to 1/65536), the rest scaled by 1/(1-p)."""
+
+@contextmanager
+def shared_masks() -> Iterator[None]:
+    """Within the block, a dropout draw that repeats an earlier one (same generator state, shape,
+    ``p`` and dtype) reuses its mask and moves the generator to where that draw left it."""
+    global _SHARED
+    outer, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = outer
+
+
+def _mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """A fresh keep mask for `x`, already scaled by 1/(1-p), in `x`'s dtype."""
     n = x.numel()
     words = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
     lanes = words.view(torch.int16)[:n].view(x.shape)
     keep = (lanes & (_LANE_VALUES - 1)) >= int(round(p * _LANE_VALUES))
-    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
+    return keep.to(x.dtype).mul_(1.0 / (1.0 - p))
+
+
+def fast_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` with each element zeroed with probability ``p`` (to 1/65536), the rest scaled by 1/(1-p)."""
+    if _SHARED is None:
+        return x * _mask(x, p)
+    key = (torch.get_rng_state().numpy().tobytes(), tuple(x.shape), p, x.dtype)
+    hit = _SHARED.get(key)
+    if hit is None:
+        mask = _mask(x, p)
+        _SHARED[key] = (mask, torch.get_rng_state())
+    else:
+        mask, after = hit
+        torch.set_rng_state(after)
+    return x * mask
 
 
 class Dropout(nn.Dropout):

@@ -45,6 +45,7 @@ from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows
 from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue, FrozenDriftError, HealthError
+from cascade_ray.models.dropout import shared_masks
 from cascade_ray.models.freeze import frozen_digest
 from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import remember_plans
@@ -440,32 +441,41 @@ def _train_epoch(
     n_batches = source.num_train_batches(train.batch_size, reporter.world)
     for (x, y), window, last in accumulation_windows(batches, n_batches, solver.accumulation_steps):
         seen += len(y)
-        for r in live:
-            if r.error is not None:  # failed by a health rule this epoch: it steps no more
-                continue
-            s = r.setup
-            with r.turn():
-                sync = not last and isinstance(r.net, DistributedDataParallel)
-                with r.net.no_sync() if sync else nullcontext():
-                    with s.precision.autocast():
-                        loss, _ = s.loss(r.net, x, y)
-                    s.precision.backward(loss / window)
-                sums[id(r)] += loss.detach().float() * len(y)
-                if last:  # the lone loop's optimizer step, with its health checks around it
-                    s.precision.unscale(s.optimizer)
-                    clip_norm = clip_gradients(s.params, s.stage.solver.grad_clip)
-                    _guarded(r, lambda r=r, clip_norm=clip_norm: r.monitor.before_step(r.step + 1, clip_norm))
-                    if r.error is not None:
-                        continue
-                    skipped = s.precision.step(s.optimizer)
-                    if not skipped:
-                        s.scheduler.step()
-                    s.optimizer.zero_grad(set_to_none=True)
-                    r.step += 1
-                    _guarded(r, lambda r=r, skipped=skipped: r.monitor.after_step(r.step, skipped, sums[id(r)]))
+        with shared_masks():  # replicas that share a seed draw this batch's dropout masks once
+            _step_replicas(live, x, y, window, last, sums)
         if last and on_step is not None:
             on_step(max(r.step for r in live))
     return seen, [sums[id(r)].item() for r in live], time.perf_counter() - started
+
+
+def _step_replicas(
+    live: list[Replica], x: torch.Tensor, y: torch.Tensor, window: int, last: bool, sums: dict[int, torch.Tensor]
+) -> None:
+    """Every live replica's forward and backward on one micro-batch, and its optimizer step
+    after the window's `last` one, each in its own RNG stream."""
+    for r in live:
+        if r.error is not None:  # failed by a health rule this epoch: it steps no more
+            continue
+        s = r.setup
+        with r.turn():
+            sync = not last and isinstance(r.net, DistributedDataParallel)
+            with r.net.no_sync() if sync else nullcontext():
+                with s.precision.autocast():
+                    loss, _ = s.loss(r.net, x, y)
+                s.precision.backward(loss / window)
+            sums[id(r)] += loss.detach().float() * len(y)
+            if last:  # the lone loop's optimizer step, with its health checks around it
+                s.precision.unscale(s.optimizer)
+                clip_norm = clip_gradients(s.params, s.stage.solver.grad_clip)
+                _guarded(r, lambda r=r, clip_norm=clip_norm: r.monitor.before_step(r.step + 1, clip_norm))
+                if r.error is not None:
+                    continue
+                skipped = s.precision.step(s.optimizer)
+                if not skipped:
+                    s.scheduler.step()
+                s.optimizer.zero_grad(set_to_none=True)
+                r.step += 1
+                _guarded(r, lambda r=r, skipped=skipped: r.monitor.after_step(r.step, skipped, sums[id(r)]))
 
 
 @torch.no_grad()

@@ -63,3 +63,38 @@ def test_use_fast_dropout_keeps_p_and_inplace():
     use_fast_dropout(seq)
     inner = seq[1][0]
     assert type(inner) is Dropout and inner.p == 0.25 and inner.inplace
+
+
+def _draws(seed: int, ps: list[float]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A replica's dropout outputs, one per p, drawn in order from `seed`, and the generator after."""
+    torch.manual_seed(seed)
+    x = torch.randn(16, 49, 8, generator=torch.Generator().manual_seed(99))
+    return [fast_dropout(x, p) for p in ps], torch.get_rng_state()
+
+
+def test_shared_masks_give_each_replica_its_own_draws_to_the_bit():
+    from cascade_ray.models.dropout import shared_masks
+
+    cases = [(0, [0.1, 0.2]), (0, [0.1, 0.2]), (7, [0.1, 0.2]), (0, [0.3, 0.2])]  # a seed, then a p, differ
+    alone = [_draws(seed, ps) for seed, ps in cases]
+    with shared_masks():
+        shared = [_draws(seed, ps) for seed, ps in cases]
+    for (outs, state), (want, want_state) in zip(shared, alone, strict=True):
+        assert torch.equal(state, want_state)  # the generator ends where drawing alone leaves it
+        assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
+    assert torch.equal(shared[0][0][0], shared[1][0][0]) and not torch.equal(shared[0][0][0], shared[2][0][0])
+    assert not torch.equal(shared[0][0][0], shared[3][0][0])  # p 0.3 vs 0.1 from one state: another mask
+
+
+def test_shared_masks_reuse_a_draw_instead_of_drawing_again(monkeypatch):
+    from cascade_ray.models import dropout
+
+    calls = []
+    real = dropout._mask
+    monkeypatch.setattr(dropout, "_mask", lambda x, p: calls.append(p) or real(x, p))
+    with dropout.shared_masks():
+        for _ in range(4):  # four replicas with one seed
+            _draws(0, [0.1, 0.2])
+    assert calls == [0.1, 0.2]  # drawn once, by the first
+    _draws(0, [0.1])
+    assert calls == [0.1, 0.2, 0.1]  # outside the block every draw is fresh
