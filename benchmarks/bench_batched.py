@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         f"same {len(tables['tune'])} configs sampled both ways: {same}; largest val_accuracy difference per config: "
         + (f"{gap:.4g}" if gap is not None else "n/a")
     )
+    if same:
+        for k, v in tables["tune"].items():
+            if tables["batched"][k] != v:
+                print(f"  differs: config {k}: batched {tables['batched'][k]:.4f}, Tune trial {v:.4f}")
     return 0
 
 

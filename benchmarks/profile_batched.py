@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # group -> (file name, or "~" for a builtin; function name as cProfile names it) whose own time the group sums
 GROUPS = {
     "dropout: random draw (random_)": [("~", "<method 'random_' of 'torch._C.TensorBase' objects>")],
-    "dropout: mask and scale": [("dropout.py", "fast_dropout")],
+    "dropout: mask and scale": [("dropout.py", "fast_dropout"), ("dropout.py", "_mask")],
     "backward (autograd engine)": [("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>")],
     "forward: linear": [("~", "<built-in method torch._C._nn.linear>")],
     "forward: activation (gelu)": [("~", "<built-in method torch._C._nn.gelu>")],
