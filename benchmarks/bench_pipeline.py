@@ -111,10 +111,12 @@ def run_candidate(config: Path, storage: Path, overrides: list[str] = ()) -> dic
     from cascade_ray.checks import load_config
 
     fits: list[tuple[float, float]] = []
-    original_fit, original_loop = stages_mod.fit_stage, fit_mod.train_loop_per_worker
+    original_fit = stages_mod.fit_stage
     log_path = storage / "loop_times.jsonl"
 
     def timed_fit(*args, **kwargs):
+        # fit_stage's `train_loop` default is bound when it is defined: pass the wrapped loop explicitly
+        kwargs["train_loop"] = timed_loop(kwargs.get("train_loop", fit_mod.train_loop_per_worker), str(log_path))
         t0 = time.time()
         try:
             return original_fit(*args, **kwargs)
@@ -122,13 +124,13 @@ def run_candidate(config: Path, storage: Path, overrides: list[str] = ()) -> dic
             fits.append((t0, time.time()))
 
     cfg = load_config(config, [f"storage_path={storage}", *overrides])
-    stages_mod.fit_stage, fit_mod.train_loop_per_worker = timed_fit, timed_loop(original_loop, str(log_path))
+    stages_mod.fit_stage = timed_fit
     try:
         t0 = time.perf_counter()
         summary = run_pipeline(cfg, log=lambda line: None)
         wall = time.perf_counter() - t0
     finally:
-        stages_mod.fit_stage, fit_mod.train_loop_per_worker = original_fit, original_loop
+        stages_mod.fit_stage = original_fit
     stage_s = [s["wall_s"] for s in summary["stages"]]
     return {
         "wall": wall,
