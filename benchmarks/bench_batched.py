@@ -18,6 +18,9 @@ Before any timed call, one untimed one-trial sweep computes and stores the class
 cache, so every timed call reads the same stored cache (without it the first timed call, the
 batched one, also paid for computing it).
 
+After the batched line, ``job:``: the batched job's seconds before its first step and each
+epoch's training rate (replica-samples/s), so a run shows which of the two moved.
+
 Last line: whether both ways sampled the same configs, and how far apart each config's
 ``val_accuracy`` is between its replica and its trial. Order: batched, one trial, Tune trials, then batched and one trial again per extra repeat
 (the Tune trials run once: they take minutes); medians are reported.
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{record['metrics']['val_accuracy']:.4f}, feature cache {(record.get('feature_cache') or {}).get('status')}",
             flush=True,
         )
+        if kind == "batched":  # where the one job's time went: its start-up, then each epoch's rate
+            print(f"    {_batched_split(Path(record['sweep']['results']).parent)}", flush=True)
 
     try:
         t0 = time.perf_counter()
@@ -134,6 +139,18 @@ def main(argv: list[str] | None = None) -> int:
             if tables["batched"][k] != v:
                 print(f"  differs: config {k}: batched {tables['batched'][k]:.4f}, Tune trial {v:.4f}")
     return 0
+
+
+def _batched_split(exp_dir: Path) -> str:
+    """The batched job's start-up before its first step (``startup.json``) and each epoch's training
+    rate as the job recorded it (``replicas.json``: samples x live replicas per second of the epoch's
+    training loop, evaluation excluded)."""
+    import json
+
+    (startup,) = [json.loads(p.read_text()) for p in exp_dir.glob("trials/*/startup.json")]
+    history = json.loads((exp_dir / "replicas.json").read_text())[0]["history"]
+    rates = ", ".join(f"{h['samples_per_s']:.0f}" for h in history)
+    return f"job: {startup['to_first_step_s']:.1f} s to its first step; epochs' training at {rates} replica-samples/s"
 
 
 if __name__ == "__main__":
