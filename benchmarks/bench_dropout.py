@@ -1,11 +1,12 @@
 """CPU dropout: cascade-ray's ``Dropout`` (models/dropout.py) vs ``torch.nn.Dropout``, same process.
 
-    /work/venv/bin/python benchmarks/bench_dropout.py [--threads 2] [--repeats 5]
+    /work/venv/bin/python benchmarks/bench_dropout.py [--threads 2] [--repeats 5] [--dtype bfloat16]
 
 Forward + backward (``y.sum().backward()``) of one dropout on the activation shapes of the
 demo's downstream stages (``pipelines/configs/three_stage.yaml``, batch 128): the
 classifier's per-token MLP output and flattened head input, and the encoder's feed-forward
-hidden. Each case times both modules in alternating blocks of 50 calls and reports the
+hidden, in float32 or (``--dtype bfloat16``) in bf16, the dtype of those activations under the
+demo's bf16 autocast. Each case times both modules in alternating blocks of 50 calls and reports the
 median block. Also checks, on 10M elements, the kept fraction and the mean (both ~1 - p
 and ~1.0). Prints ``figure: value (ratio vs baseline)``.
 """
@@ -43,6 +44,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="alternating blocks of 50 calls per module")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the activations' dtype")
     args = parser.parse_args()
     from cascade_ray.hardware import hardware_line
 
@@ -50,10 +52,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(
-        f"bench_dropout: torch {torch.__version__}, {args.threads} thread(s), forward + backward, {args.repeats} alternating blocks of 50 calls, medians"
+        f"bench_dropout: torch {torch.__version__}, {args.threads} thread(s), {args.dtype}, forward + backward, {args.repeats} alternating blocks of 50 calls, medians"
     )
     for name, shape, p in CASES:
-        x = torch.randn(shape, requires_grad=True)
+        x = torch.randn(shape, dtype=getattr(torch, args.dtype), requires_grad=True)
         base, fast = nn.Dropout(p).train(), Dropout(p).train()
         block(base, x, 5), block(fast, x, 5)
         times: dict[str, list[float]] = {"torch": [], "cascade": []}
@@ -65,7 +67,7 @@ def main() -> int:
         print(f"{name}, cascade_ray Dropout: {c * 1e3:.2f} ms ({b / c:.2f}x faster)")
     with torch.no_grad():
         for p in (0.1, 0.2, 0.5):
-            y = Dropout(p).train()(torch.ones(10_000_000))
+            y = Dropout(p).train()(torch.ones(10_000_000, dtype=getattr(torch, args.dtype))).float()
             print(
                 f"check p={p}: kept fraction {(y > 0).float().mean().item():.5f} (expected {1 - p:.5f}), mean {y.mean().item():.5f} (expected 1)"
             )
