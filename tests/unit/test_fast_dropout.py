@@ -22,6 +22,23 @@ def test_drop_rate_and_scale(p):
     assert torch.all(y[~kept] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_mask_is_the_documented_lane_rule_in_the_input_dtype(dtype):
+    """Keep an element when its 15-bit lane of the generator's 64-bit words is >= round(p * 32768),
+    scaled by 1/(1-p) in the input's dtype: the rule the module docstring states, whatever path
+    the mask's cast takes (it goes through a uint8 view of the bools, which casts faster)."""
+    p, shape = 0.3, (7, 13, 5)  # 455 elements: not a multiple of the 4 lanes of a word
+    torch.manual_seed(3)
+    words = torch.empty((455 + 3) // 4, dtype=torch.int64).random_()
+    lanes = words.view(torch.int16)[:455].view(shape)
+    keep = (lanes.int() & 0x7FFF) >= round(p * 32768)
+    torch.manual_seed(3)
+    y = fast_dropout(torch.ones(shape, dtype=dtype), p)
+    assert y.dtype == dtype
+    assert torch.equal(y != 0, keep)
+    assert torch.all(y[keep] == torch.tensor(1.0 / (1.0 - p), dtype=dtype))
+
+
 def test_gradient_is_the_same_mask_and_scale():
     torch.manual_seed(1)
     x = torch.randn(64, 49, 32, requires_grad=True)
