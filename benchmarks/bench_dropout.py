@@ -51,11 +51,12 @@ def main() -> int:
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
     print(
         f"bench_dropout: torch {torch.__version__}, {args.threads} thread(s), {args.dtype}, forward + backward, {args.repeats} alternating blocks of 50 calls, medians"
     )
     for name, shape, p in CASES:
-        x = torch.randn(shape, dtype=getattr(torch, args.dtype), requires_grad=True)
+        x = torch.randn(shape, dtype=dtype, requires_grad=True)
         base, fast = nn.Dropout(p).train(), Dropout(p).train()
         block(base, x, 5), block(fast, x, 5)
         times: dict[str, list[float]] = {"torch": [], "cascade": []}
@@ -67,7 +68,7 @@ def main() -> int:
         print(f"{name}, cascade_ray Dropout: {c * 1e3:.2f} ms ({b / c:.2f}x faster)")
     with torch.no_grad():
         for p in (0.1, 0.2, 0.5):
-            y = Dropout(p).train()(torch.ones(10_000_000, dtype=getattr(torch, args.dtype))).float()
+            y = Dropout(p).train()(torch.ones(10_000_000, dtype=dtype)).float()
             print(
                 f"check p={p}: kept fraction {(y > 0).float().mean().item():.5f} (expected {1 - p:.5f}), mean {y.mean().item():.5f} (expected 1)"
             )

@@ -55,8 +55,8 @@ def _mask(x: torch.Tensor, p: float) -> torch.Tensor:
     words = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
     lanes = words.view(torch.int16)[:n].view(x.shape)
     keep = (lanes & (_LANE_VALUES - 1)) >= int(round(p * _LANE_VALUES))
-    # the same 0/1 bytes read as uint8: torch casts uint8 to a float dtype ~25x faster than bool
-    # (bool -> bf16 took 1.5 ms for a 0.8M-element mask on 2 cores, uint8 -> bf16 0.06 ms)
+    # the same 0/1 bytes read as uint8: torch casts uint8 to a float dtype ~7x faster than bool
+    # (a 0.8M-element mask on 2 cores: bool -> bf16 0.66 ms, uint8 -> bf16 0.09 ms; docs/benchmarks.md)
     return keep.view(torch.uint8).to(x.dtype).mul_(1.0 / (1.0 - p))
 
 
