@@ -26,6 +26,9 @@ NumpyState = dict[str, np.ndarray]
 SHARED_KEYS_ATTR = "_cascade_shared_keys"
 # torch's warning for torch.from_numpy on a non-writable array (the object store's are)
 _READ_ONLY_WARNING = "The given NumPy array is not writable"
+# torch.nn.modules.module's dicts of global hooks that Module.__setattr__ runs when it
+# registers a parameter or buffer (share_numpy_state bypasses it only while both are empty)
+_REGISTRATION_HOOKS = ("_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
 
 # safetensors' own reader refuses headers above 100 MB, after allocating for them; a header this
 # size describes millions of tensors, far beyond any cascade stage.
@@ -94,43 +97,75 @@ def share_numpy_state(module: nn.Module, state: Mapping[str, np.ndarray], keys: 
     Returns:
         The keys now shared, sorted.
     """
-    current = module.state_dict(keep_vars=True)
-    views: dict[str, torch.Tensor] = {}
+    owners = dict(module.named_modules(remove_duplicate=False))
+    plain = _plain_assignment_allowed()
+    shared: list[str] = []
+    rest: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
         # torch warns that it cannot mark a tensor read-only. Safe here: see the docstring,
         # nothing writes these tensors and the frozen digest would show it if anything did.
         warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
         for key in keys:
             view = torch.from_numpy(np.asarray(state[key]))
-            if view.dtype == current[key].dtype and view.shape == current[key].shape:
-                views[key] = view
-    rest = _assign_views(module, views)
+            path, _, leaf = key.rpartition(".")
+            owner = owners.get(path)
+            done = _set_view(owner, leaf, view, plain) if owner is not None else None
+            if done is None:
+                rest[key] = view
+            elif done:
+                shared.append(key)
     if rest:  # keys that are not a plain attribute path (a module's own state-dict hooks map them)
+        current = module.state_dict(keep_vars=True)
+        rest = {k: v for k, v in rest.items() if v.dtype == current[k].dtype and v.shape == current[k].shape}
         # assign=True: the module takes these tensors (wrapped in Parameters where it had
         # Parameters, requires_grad kept) instead of copying into its own
         module.load_state_dict(rest, strict=False, assign=True)
-    setattr(module, SHARED_KEYS_ATTR, getattr(module, SHARED_KEYS_ATTR, frozenset()) | set(views))
-    return sorted(views)
+        shared.extend(rest)
+    setattr(module, SHARED_KEYS_ATTR, getattr(module, SHARED_KEYS_ATTR, frozenset()) | set(shared))
+    return sorted(shared)
 
 
-def _assign_views(module: nn.Module, views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Set each view as the parameter or buffer its key names, as ``load_state_dict(assign=True)``
-    would (a parameter stays a ``Parameter`` with its ``requires_grad``), by attribute: about 10x
-    faster for a few hundred keys (3.9 ms for ResNet-50's 320 in ``load_state_dict``). Returns the
-    views whose key is not an attribute path of a parameter or buffer, for ``load_state_dict``."""
-    owners = dict(module.named_modules(remove_duplicate=False))
-    rest: dict[str, torch.Tensor] = {}
-    for key, view in views.items():
-        path, _, leaf = key.rpartition(".")
-        owner = owners.get(path)
-        param = owner._parameters.get(leaf) if owner is not None else None
-        if isinstance(param, nn.Parameter):
-            setattr(owner, leaf, nn.Parameter(view, requires_grad=param.requires_grad))
-        elif owner is not None and isinstance(owner._buffers.get(leaf), torch.Tensor):
-            setattr(owner, leaf, view)
-        else:
-            rest[key] = view
-    return rest
+def _plain_assignment_allowed() -> bool:
+    """Whether no global parameter or buffer registration hook is installed
+    (``torch.nn.modules.module.register_module_*_registration_hook``): then replacing a
+    registered tensor in its module's dict is all ``Module.__setattr__`` would do. Unknown
+    (a torch that keeps the hooks elsewhere) counts as installed."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = [getattr(torch_module, name, None) for name in _REGISTRATION_HOOKS]
+    return all(isinstance(h, dict) and not h for h in hooks)
+
+
+def _set_view(owner: nn.Module, leaf: str, view: torch.Tensor, plain: bool) -> bool | None:
+    """Make `view` `owner`'s parameter or buffer `leaf`, as ``load_state_dict(assign=True)``
+    would (a parameter stays a ``Parameter`` with its ``requires_grad``). True when set, False
+    when the dtype or shape differs (left out, for the caller to copy), None when `leaf` is
+    neither a parameter nor a buffer of `owner` (for ``load_state_dict``).
+
+    Replaces the entry in the module's ``_parameters`` / ``_buffers`` dict directly when that
+    is all ``Module.__setattr__`` would do (the name is already registered there, the class
+    keeps torch's ``__setattr__`` and no global registration hook is installed). With no
+    ``state_dict()`` call besides, sharing the 320 tensors of a wide ResNet-50 takes ~1.1 ms
+    instead of ~2.1 ms, a fixed cost every consumer of a hand-off pays (``docs/benchmarks.md``,
+    P3)."""
+    param = owner._parameters.get(leaf)
+    if isinstance(param, nn.Parameter):
+        if view.dtype != param.dtype or view.shape != param.shape:
+            return False
+        value: torch.Tensor = nn.Parameter(view, requires_grad=param.requires_grad)
+        table = owner._parameters
+    else:
+        buffer = owner._buffers.get(leaf)
+        if not isinstance(buffer, torch.Tensor):
+            return None
+        if view.dtype != buffer.dtype or view.shape != buffer.shape:
+            return False
+        value, table = view, owner._buffers
+    if plain and type(owner).__setattr__ is nn.Module.__setattr__:
+        table[leaf] = value
+    else:
+        setattr(owner, leaf, value)
+    return True
 
 
 def tensor_digest(tensor: torch.Tensor | np.ndarray) -> str:

@@ -159,3 +159,74 @@ def test_share_sets_parameters_and_buffers_by_attribute_and_hands_other_keys_to_
     assert isinstance(model[1].weight, torch.nn.Parameter) and model[1].weight.requires_grad
     assert not isinstance(model[1].running_mean, torch.nn.Parameter) and "running_mean" in model[1]._buffers
     assert model[0].count.dtype == torch.int64 and int(model[0].count) == 2
+
+
+def _read_only(module: torch.nn.Module, fill: float = 2) -> dict[str, np.ndarray]:
+    state = {k: np.full(v.shape, fill, v.detach().numpy().dtype) for k, v in module.state_dict().items()}
+    for array in state.values():
+        array.setflags(write=False)
+    return state
+
+
+def test_share_leaves_out_keys_whose_dtype_or_shape_differs_for_the_caller_to_copy():
+    model = torch.nn.Sequential(_Renamed(), torch.nn.BatchNorm1d(2))
+    state = _read_only(model)
+    state["1.weight"] = np.zeros(3, np.float32)  # shape differs
+    state["1.running_mean"] = np.zeros(2, np.float64)  # dtype differs (a copy would cast)
+    state["0.w"] = np.zeros((2, 3), np.float16)  # not an attribute path, dtype differs
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shared = share_numpy_state(model, state, list(state))
+    assert set(shared) == set(state) - {"1.weight", "1.running_mean", "0.w"}
+    after = model.state_dict()
+    for key in ("1.weight", "1.running_mean", "0.w"):
+        assert torch.equal(after[key], before[key]), key
+        assert not np.shares_memory(after[key].numpy(), state[key]), key
+
+
+class _Watched(torch.nn.Linear):
+    """A module with its own ``__setattr__``: share must go through it."""
+
+    def __init__(self):
+        super().__init__(3, 2)
+        self.seen: list[str] = []
+
+    def __setattr__(self, name, value):
+        seen = self.__dict__.get("seen")
+        if seen is not None:
+            seen.append(name)
+        super().__setattr__(name, value)
+
+
+def test_share_goes_through_a_modules_own_setattr_and_the_global_registration_hooks():
+    model = torch.nn.Sequential(_Watched(), torch.nn.BatchNorm1d(2))
+    state = _read_only(model)
+    registered: list[tuple[str, str]] = []
+    handles = [
+        torch.nn.modules.module.register_module_parameter_registration_hook(
+            lambda module, name, param: registered.append(("param", name))
+        ),
+        torch.nn.modules.module.register_module_buffer_registration_hook(
+            lambda module, name, buffer: registered.append(("buffer", name))
+        ),
+    ]
+    try:
+        shared = share_numpy_state(model, state, list(state))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert shared == sorted(state)
+    assert sorted(model[0].seen) == ["bias", "weight"]
+    assert sorted(registered) == sorted(
+        [("param", "weight"), ("param", "bias")] * 2
+        + [("buffer", "running_mean"), ("buffer", "running_var"), ("buffer", "num_batches_tracked")]
+    )
+    for key, tensor in model.state_dict().items():
+        assert np.shares_memory(tensor.numpy(), state[key]), key
+    # without hooks, a plain module's entries are replaced in place: still views, still Parameters
+    plain = torch.nn.BatchNorm1d(2)
+    state = _read_only(plain, fill=3)
+    assert share_numpy_state(plain, state, list(state)) == sorted(state)
+    assert isinstance(plain.weight, torch.nn.Parameter) and plain.weight.requires_grad
+    assert "running_var" in plain._buffers and float(plain.running_var[0]) == 3
+    for key, tensor in plain.state_dict().items():
+        assert np.shares_memory(tensor.numpy(), state[key]), key
