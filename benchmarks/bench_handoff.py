@@ -29,6 +29,11 @@ random init would touch it) before each round, untimed, since the share replaces
 Once, untimed, a consumer of each path returns a sha256 of every tensor it holds, checked against
 the producer's. Each N runs ``--repeats`` times, the paths rotating which goes first; medians.
 
+The consumer's own part of the shared path is also timed in the driver's process, one thread:
+``share_numpy_state`` of the read-only arrays into a freshly built module, against torch's
+``load_state_dict(assign=True)`` of the same views (which makes the same views, through
+``Module.__setattr__`` and the module's state-dict machinery), alternating, medians of 31.
+
 Memory: after the last round at the largest N, every consumer reads each of its tensors (a
 forward would), then reports ``/proc/self/smaps_rollup``: RSS, PSS (shared pages divided by the
 processes that map them) and USS (private pages: ``Private_Clean + Private_Dirty``). Shared
@@ -124,6 +129,61 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
     return {"rss": fields["Rss"], "pss": fields["Pss"], "uss": fields["Private_Clean"] + fields["Private_Dirty"]}
 
 
+def build_module(shapes: dict, written: bool):
+    """The module a worker has just built: parameters, BatchNorm statistics as buffers."""
+    import torch
+    from torch import nn
+
+    root = nn.Module()
+    for key, (shape, dtype) in shapes.items():
+        *path, leaf = key.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        if written:
+            t.fill_(1)
+        if "running" in leaf or leaf == "num_batches_tracked":
+            node.register_buffer(leaf, t)
+        else:
+            node.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def time_share_in_process(shapes: dict, state: dict[str, np.ndarray], repeats: int = 31) -> tuple[float, float]:
+    """Medians (s) of one consumer's share of read-only arrays into a freshly built module, in this
+    process with one thread: ``share_numpy_state`` vs torch's ``load_state_dict(assign=True)`` of
+    the same views (the baseline), alternating."""
+    import torch
+
+    from cascade_ray.models.weights import share_numpy_state
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    read_only = {k: a.view() for k, a in state.items()}
+    for array in read_only.values():
+        array.setflags(write=False)
+    keys = list(read_only)
+    times: dict[str, list[float]] = {"share": [], "assign": []}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            for i in range(repeats):
+                for kind in ("share", "assign") if i % 2 else ("assign", "share"):
+                    module = build_module(shapes, False)
+                    t0 = time.perf_counter()
+                    if kind == "share":
+                        share_numpy_state(module, read_only, keys)
+                    else:
+                        module.load_state_dict({k: torch.from_numpy(read_only[k]) for k in keys}, assign=True)
+                    times[kind].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times["share"]), statistics.median(times["assign"])
+
+
 def make_consumer_class():
     import ray
 
@@ -143,27 +203,8 @@ def make_consumer_class():
             return os.getpid()
 
         def build(self, written: bool) -> None:
-            """The module a worker has just built: parameters, BatchNorm statistics as buffers."""
-            import torch
-            from torch import nn
-
             self.module = None  # drop the last round's tensors (and its object-store views) first
-            root = nn.Module()
-            for key, (shape, dtype) in self.shapes.items():
-                *path, leaf = key.split(".")
-                node = root
-                for part in path:
-                    if not hasattr(node, part):
-                        node.add_module(part, nn.Module())
-                    node = getattr(node, part)
-                t = torch.empty(shape, dtype=getattr(torch, dtype))
-                if written:
-                    t.fill_(1)
-                if "running" in leaf or leaf == "num_batches_tracked":
-                    node.register_buffer(leaf, t)
-                else:
-                    node.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
-            self.module = root
+            self.module = build_module(self.shapes, written)
 
         def _copy_in(self, source) -> int:
             import torch
@@ -282,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         del ref
         path.unlink()
         print(f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)")
+        share_s, assign_s = time_share_in_process(shapes_np, state)
+        print(
+            f"consumer's share in one process (1 thread, medians of 31): share_numpy_state {share_s * 1e3:.2f} ms vs "
+            f"load_state_dict(assign=True) {assign_s * 1e3:.2f} ms ({assign_s / share_s:.2f}x faster than baseline)",
+            flush=True,
+        )
 
         def one(kind: str, n: int) -> tuple[float, float]:
             if kind == "shared":
