@@ -61,6 +61,7 @@ import numpy as np
 RESNET50_BLOCKS = (3, 4, 6, 3)
 RESNET50_WIDTHS = (64, 128, 256, 512)
 MIB = 2**20
+SHARE_REPEATS = 31  # in-process share timings per variant (alternating)
 
 
 def resnet50_shapes(width: int = 1, classes: int = 1000) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -152,13 +153,13 @@ def build_module(shapes: dict, written: bool):
     return root
 
 
-def time_share_in_process(shapes: dict, state: dict[str, np.ndarray], repeats: int = 31) -> tuple[float, float]:
+def time_share_in_process(shapes: dict, state: dict[str, np.ndarray], repeats: int) -> tuple[float, float]:
     """Medians (s) of one consumer's share of read-only arrays into a freshly built module, in this
     process with one thread: ``share_numpy_state`` vs torch's ``load_state_dict(assign=True)`` of
     the same views (the baseline), alternating."""
     import torch
 
-    from cascade_ray.models.weights import share_numpy_state
+    from cascade_ray.models.weights import _READ_ONLY_WARNING, share_numpy_state
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -169,7 +170,7 @@ def time_share_in_process(shapes: dict, state: dict[str, np.ndarray], repeats: i
     times: dict[str, list[float]] = {"share": [], "assign": []}
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
             for i in range(repeats):
                 for kind in ("share", "assign") if i % 2 else ("assign", "share"):
                     module = build_module(shapes, False)
@@ -323,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         del ref
         path.unlink()
         print(f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)")
-        share_s, assign_s = time_share_in_process(shapes_np, state)
+        share_s, assign_s = time_share_in_process(shapes_np, state, SHARE_REPEATS)
         print(
-            f"consumer's share in one process (1 thread, medians of 31): share_numpy_state {share_s * 1e3:.2f} ms vs "
+            f"consumer's share in one process (1 thread, medians of {SHARE_REPEATS}): share_numpy_state {share_s * 1e3:.2f} ms vs "
             f"load_state_dict(assign=True) {assign_s * 1e3:.2f} ms ({assign_s / share_s:.2f}x faster than baseline)",
             flush=True,
         )
