@@ -60,10 +60,11 @@ def _mask(x: torch.Tensor, p: float) -> torch.Tensor:
     return keep.view(torch.uint8).to(x.dtype).mul_(1.0 / (1.0 - p))
 
 
-def fast_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """``x`` with each element zeroed with probability ``p`` (to 1/65536), the rest scaled by 1/(1-p)."""
+def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The scaled keep mask :func:`fast_dropout` multiplies `x` by (shape and dtype of `x`), drawn
+    from torch's default generator, or inside :func:`shared_masks` the earlier draw it repeats."""
     if _SHARED is None:
-        return x * _mask(x, p)
+        return _mask(x, p)
     key = (torch.get_rng_state().numpy().tobytes(), tuple(x.shape), p, x.dtype)
     hit = _SHARED.get(key)
     if hit is None:
@@ -72,7 +73,12 @@ def fast_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     else:
         mask, after = hit
         torch.set_rng_state(after)
-    return x * mask
+    return mask
+
+
+def fast_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` with each element zeroed with probability ``p`` (to 1/65536), the rest scaled by 1/(1-p)."""
+    return x * keep_mask(x, p)
 
 
 class Dropout(nn.Dropout):
