@@ -51,6 +51,7 @@ from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import remember_plans
 from cascade_ray.solver import EarlyStopping, clip_gradients
 from cascade_ray.stage.batched_resume import ResumeWriter, read_resume
+from cascade_ray.stage.grouped import GROUP_SIZE, GroupedSteps
 from cascade_ray.stage.loop import Reporter
 from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.progress import format_trial
@@ -188,6 +189,7 @@ def run_batched(
     resume: Mapping[str, Any] | None = None,
     save: Callable[[int, list[dict[str, Any]]], None] | None = None,
     fault: Callable[[int], None] | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> BatchedOutcome:
     """Train stage `index` of every config in `cfgs` at once (:func:`train_replicas`), then report
     the best replica.
@@ -199,7 +201,7 @@ def run_batched(
     `tracking` (rank 0, ``loggers:``): the driver's tracking context; each replica's epoch rows
     then go live to its own trial run (``<stage> trial replica-<k>``, tagged with `nodes`), which
     ends FAILED when a health rule failed the replica or the job raised. `clock` gets the
-    ``setup`` and ``first_step`` marks; `resume`, `save` and `fault` as :func:`train_replicas`.
+    ``setup`` and ``first_step`` marks; `resume`, `save`, `fault` and `group_size` as :func:`train_replicas`.
     """
     trackers = _replica_trackers(tracking, cfgs, index, nodes or []) if tracking else []
     try:
@@ -219,6 +221,7 @@ def run_batched(
             resume=resume,
             save=save,
             fault=fault,
+            group_size=group_size,
         )
     except BaseException:
         for t in trackers:
@@ -270,6 +273,7 @@ def train_replicas(
     resume: Mapping[str, Any] | None = None,
     save: Callable[[int, list[dict[str, Any]]], None] | None = None,
     fault: Callable[[int], None] | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> list[Replica]:
     """Every config's replica of stage `index`, trained for the stage's epochs on shared batches.
 
@@ -282,7 +286,8 @@ def train_replicas(
     `resume` (:meth:`Replica.resume_state` of every replica, as :mod:`.batched_resume` keeps it)
     continues each replica after the epochs it records; `save(epochs_done, states)` gets every
     replica's state at each epoch end (rank 0's writer); `fault(step)` is called after each
-    optimizer step (the fault-injection test hook).
+    optimizer step (the fault-injection test hook). Replicas that can step together run as
+    groups of up to `group_size` (:mod:`.grouped`; 1: every replica steps alone).
 
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
@@ -294,6 +299,7 @@ def train_replicas(
         )
     base = cfgs[0].stages[index]
     replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap) for cfg in cfgs]
+    grouped = GroupedSteps(replicas, group_size)
     if clock is not None:
         clock.mark("setup")
     train_src = ArraySource(features["x_train"], data.y_train, 0.0, 1.0, device)
@@ -331,6 +337,7 @@ def train_replicas(
             seed=stage_seed(cfgs[0], index),
             epoch=epoch,
             on_step=stepped,
+            grouped=grouped,
         )
         totals = reporter.all_sum([float(seen), *sums])  # one collective for every replica
         for r, loss_sum in zip(live, sums):
@@ -427,6 +434,7 @@ def _train_epoch(
     seed: int,
     epoch: int,
     on_step: Callable[[int], None] | None = None,
+    grouped: GroupedSteps | None = None,
 ) -> tuple[int, list[float], float]:
     """One epoch: every batch read once and stepped by every live replica. Returns (samples
     seen on this rank, each replica's sample-weighted loss sum, wall seconds). `on_step(step)` is
@@ -442,28 +450,39 @@ def _train_epoch(
     for (x, y), window, last in accumulation_windows(batches, n_batches, solver.accumulation_steps):
         seen += len(y)
         with shared_masks():  # replicas that share a seed draw this batch's dropout masks once
-            _step_replicas(live, x, y, window, last, sums)
+            _step_replicas(live, x, y, window, last, sums, grouped)
         if last and on_step is not None:
             on_step(max(r.step for r in live))
     return seen, [sums[id(r)].item() for r in live], time.perf_counter() - started
 
 
 def _step_replicas(
-    live: list[Replica], x: torch.Tensor, y: torch.Tensor, window: int, last: bool, sums: dict[int, torch.Tensor]
+    live: list[Replica],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    window: int,
+    last: bool,
+    sums: dict[int, torch.Tensor],
+    grouped: GroupedSteps | None = None,
 ) -> None:
-    """Every live replica's forward and backward on one micro-batch, and its optimizer step
-    after the window's `last` one, each in its own RNG stream."""
+    """Every live replica's forward and backward on one micro-batch (grouped where `grouped` has
+    a group for it), and its optimizer step after the window's `last` one, each in its own RNG stream."""
+    done: set[int] = set()  # replicas whose forward and backward ran in a group
+    for group in grouped.groups(live) if grouped is not None else []:
+        grouped.forward_backward(group, x, y, window, sums)
+        done.update(id(r) for r in group)
     for r in live:
         if r.error is not None:  # failed by a health rule this epoch: it steps no more
             continue
         s = r.setup
         with r.turn():
-            sync = not last and isinstance(r.net, DistributedDataParallel)
-            with r.net.no_sync() if sync else nullcontext():
-                with s.precision.autocast():
-                    loss, _ = s.loss(r.net, x, y)
-                s.precision.backward(loss / window)
-            sums[id(r)] += loss.detach().float() * len(y)
+            if id(r) not in done:
+                sync = not last and isinstance(r.net, DistributedDataParallel)
+                with r.net.no_sync() if sync else nullcontext():
+                    with s.precision.autocast():
+                        loss, _ = s.loss(r.net, x, y)
+                    s.precision.backward(loss / window)
+                sums[id(r)] += loss.detach().float() * len(y)
             if last:  # the lone loop's optimizer step, with its health checks around it
                 s.precision.unscale(s.optimizer)
                 clip_norm = clip_gradients(s.params, s.stage.solver.grad_clip)
