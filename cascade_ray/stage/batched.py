@@ -2,11 +2,15 @@
 
 Each replica is a full :func:`~cascade_ray.stage.setup.setup_stage` of its own config (model,
 param groups, optimizer, lr plan, precision, loss), so a replica trains exactly as that config
-would alone. The replicas are stepped one after the other on every shared batch (one read, K
-steps) rather than stacked with ``torch.func.vmap``: a stacked model needs one optimizer over
-``[K, ...]`` tensors, which torch's optimizers cannot give per-replica lr / weight decay / betas /
-schedules / clipping; on cached features a replica's step is a small MLP or Transformer, so the
-loop's cost is K small steps, and what the sweep saves is K-1 TorchTrainer start-ups.
+would alone. Every shared batch is read once and each replica takes its own optimizer step on
+it. The models are not stacked into one with ``torch.func.vmap``: a stacked model needs one
+optimizer over ``[K, ...]`` tensors, which torch's optimizers cannot give per-replica lr / weight
+decay / betas / schedules / clipping, and on the CPUs measured the vmapped step was ~3x slower
+than the loop (``benchmarks/bench_stacked.py``). Instead, replicas of an MLP stage that share a
+generator state run their forward and backward in groups (:mod:`.grouped`: one batched GEMM per
+layer over their stacked weights, each keeping its own parameters); the rest step one after the
+other. What the sweep saves is K-1 TorchTrainer start-ups, and on grouped stages part of the
+per-replica arithmetic overhead.
 
 Each replica keeps its own torch RNG state (swapped in around its work), so dropout draws the
 same numbers as in a lone run seeded by :func:`~cascade_ray.stage.setup.stage_seed`.

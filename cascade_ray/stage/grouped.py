@@ -12,10 +12,10 @@ loss (its own criterion and loss scale) and health checks; only the arithmetic i
 weights are stacked from the replicas' own parameters on every step, so autograd hands each
 replica its own gradient.
 
-What it changes: the GEMMs' summation order may differ from a replica's lone ``addmm`` /
-``mm`` (the forward is the same to the bit on the CPUs measured; the weight gradients agree to
-float rounding), so a replica ends *allclose* to its config trained alone, not always equal
-to the bit. ``benchmarks/bench_stacked.py`` measures the step against the replica loop; groups
+What it changes: the batched GEMMs may sum in another order than a replica's lone ``addmm`` /
+``mm``, so forward and gradients agree with the lone step to float rounding and a replica ends
+*allclose* to its config trained alone (``tests/unit/test_batched_grouped.py``), not always
+equal to the bit. ``benchmarks/bench_stacked.py`` measures the step against the replica loop; groups
 of :data:`GROUP_SIZE` were the fastest there (larger groups' activations outgrow the caches).
 
 Where it does not apply (any other model, an adapter, a head without a linear layer, forward
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -37,13 +37,20 @@ from cascade_ray.models.cascade import Head
 from cascade_ray.models.checkpointing import CHECKPOINTED_ATTR
 from cascade_ray.models.dropout import Dropout, keep_mask
 from cascade_ray.models.mlp import _ACTIVATIONS, MLP
-
-if TYPE_CHECKING:
-    from cascade_ray.stage.batched import Replica
+from cascade_ray.stage.setup import StageSetup
 
 GROUP_SIZE = 8  # replicas per grouped step (benchmarks/bench_stacked.py; docs/benchmarks.md, "Batched sweeps")
 
 _ACTIVATION_TYPES = tuple(type(make()) for make in _ACTIVATIONS.values())
+
+
+class Replica(Protocol):
+    """What a grouped step reads and writes of a batched sweep's replica (:class:`.batched.Replica`)."""
+
+    setup: StageSetup
+    net: nn.Module
+    rng: torch.Tensor
+    error: str | None
 
 
 @dataclass(frozen=True)
