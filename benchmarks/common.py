@@ -53,9 +53,10 @@ def last_stage_replicas(config: str, configs: int, epochs: int):
     return cfg, index, data, upstream, features, cfgs, time.perf_counter() - started
 
 
-def timed_batched(cfgs, index, data, upstream, features, save=None):
+def timed_batched(cfgs, index, data, upstream, features, save=None, group_size=None):
     """``run_batched`` of `cfgs` on the CPU, its replicas' progress lines silenced:
-    (wall seconds, the ListReporter that got its one report)."""
+    (wall seconds, the ListReporter that got its one report). `group_size`: replicas per grouped step
+    (``stage/grouped.py``; None: its default, 1: every replica steps alone)."""
     import contextlib
     import io
     import time
@@ -78,5 +79,6 @@ def timed_batched(cfgs, index, data, upstream, features, save=None):
             metric="val_accuracy",
             mode="max",
             save=save,
+            **({"group_size": group_size} if group_size is not None else {}),
         )
     return time.perf_counter() - started, reporter
