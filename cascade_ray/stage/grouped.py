@@ -15,8 +15,11 @@ replica its own gradient.
 What it changes: the batched GEMMs may sum in another order than a replica's lone ``addmm`` /
 ``mm``, so forward and gradients agree with the lone step to float rounding and a replica ends
 *allclose* to its config trained alone (``tests/unit/test_batched_grouped.py``), not always
-equal to the bit. ``benchmarks/bench_stacked.py`` measures the step against the replica loop; groups
-of :data:`GROUP_SIZE` were the fastest there (larger groups' activations outgrow the caches).
+equal to the bit. ``benchmarks/bench_stacked.py`` measures the step and whole epochs against the replica loop;
+groups of :data:`GROUP_SIZE` were fast on every CPU measured (docs/benchmarks.md). Larger
+groups' activations outgrow the caches, and their tensors (tens of MB) are past glibc's mmap
+threshold, so every step maps and unmaps them: on one Xeon that made groups of 8 slower than no
+grouping at all.
 
 Where it does not apply (any other model, an adapter, a head without a linear layer, forward
 hooks, activation checkpointing, ``train.compile``, a loss over several heads or with learned
@@ -39,7 +42,7 @@ from cascade_ray.models.dropout import Dropout, keep_mask
 from cascade_ray.models.mlp import _ACTIVATIONS, MLP
 from cascade_ray.stage.setup import StageSetup
 
-GROUP_SIZE = 8  # replicas per grouped step (benchmarks/bench_stacked.py; docs/benchmarks.md, "Batched sweeps")
+GROUP_SIZE = 4  # replicas per grouped step (benchmarks/bench_stacked.py; docs/benchmarks.md, "Batched sweeps")
 
 _ACTIVATION_TYPES = tuple(type(make()) for make in _ACTIVATIONS.values())
 
