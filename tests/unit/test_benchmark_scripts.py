@@ -3,7 +3,7 @@
 `bench_step.py`, its bare baseline and `bench_precision.py` had stopped running once the data
 statistics became per-channel arrays, and nothing noticed until a re-measure. These run each
 for a few steps (bench_step on its own config, the demo's first stage on Fashion-MNIST;
-bench_precision, bench_batched_resume and profile_batched on the digits): the figures are not
+bench_precision, bench_batched_resume, profile_batched and bench_stacked on the digits): the figures are not
 checked (they are benchmarks, not timed tests), the work is: both loops of bench_step must end
 bit-identical, and so must bench_batched_resume's two ways.
 """
@@ -73,3 +73,25 @@ def test_profile_batched_groups_an_epoch():
     out = _bench("profile_batched.py", "--config", str(CONFIGS / "debug.yaml"), "--configs", "2")
     for group in ("dropout: random draw", "backward (autograd engine)", "forward: linear"):
         assert f"  {group}" in out, out[-2000:]
+
+
+def test_bench_stacked_times_every_way_and_whole_epochs_per_group_size():
+    out = _bench(
+        "bench_stacked.py",
+        "--config",
+        str(CONFIGS / "debug.yaml"),
+        "--configs",
+        "4",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--groups",
+        "2",
+        "--epochs",
+        "1",
+    )
+    for way in ("loop: ", "vmap: ", "grouped by 2: ", "group size 1: ", "group size 2: "):
+        assert f"\n{way}" in out, out[-2000:]
+    epochs = [line for line in out.splitlines() if line.startswith("group size ")]
+    assert all("; best replica " in line for line in epochs), out[-2000:]
