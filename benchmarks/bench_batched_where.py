@@ -1,0 +1,131 @@
+"""The same batched-sweep epochs in one process, in a Ray task and in a Ray Train worker.
+
+    flock /tmp/cascade-cpu.lock .venv/bin/python benchmarks/bench_batched_where.py [--config pipelines/configs/three_stage.yaml] [--configs 16] [--epochs 2] [--group-size G]
+
+Workload: ``run_batched`` of the config's last stage as `--configs` replicas (the demo's
+classifier by default; ``common.last_stage_replicas``: a randomly initialised upstream's cached
+features, lr log-spaced), `--epochs` epochs, the in-process reporter, no progress board, resume
+writer or trackers: only where it runs changes. Places, in this order:
+
+1. **process** (the baseline): this process's main thread, before Ray starts;
+2. **process, Ray up**: the same, after ``ray.init`` (Ray's own processes now share the CPUs);
+3. **Ray task** (``num_cpus=2``): a worker process's main thread;
+4. **Ray Train worker** (a ``TorchTrainer``, 1 worker x 2 CPUs): Ray's training thread.
+
+Each place gets the inputs through the object store (``ray.put`` once) and calls
+``torch.set_num_threads(2)``; embedded ``ray.init(num_cpus=2)`` with cascade-ray's Ray env defaults.
+Prints each epoch's training rate (replica-samples/s, as the job's ``replicas.json`` records it)
+and each place's median against the process's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def epochs(payload: tuple, group_size: int | None) -> list[float]:
+    """Each epoch's training rate of one ``run_batched`` call, in this process."""
+    import torch
+
+    from cascade_ray.stage.batched import run_batched
+
+    class Quiet:  # the in-process reporter of benchmarks/common.py, without importing it here
+        rank, world = 0, 1
+
+        def all_sum(self, values):
+            return list(values)
+
+        def report(self, metrics, state, trainer=None):
+            pass
+
+    torch.set_num_threads(2)
+    cfgs, index, data, upstream, features = payload
+    extra = {"group_size": group_size} if group_size is not None else {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        out = run_batched(
+            cfgs,
+            index,
+            data,
+            upstream,
+            features,
+            Quiet(),
+            torch.device("cpu"),
+            metric="val_accuracy",
+            mode="max",
+            **extra,
+        )
+    return [h["samples_per_s"] for h in out.histories[0]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "pipelines" / "configs" / "three_stage.yaml"))
+    parser.add_argument("--configs", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=None, help="stage/grouped.py's default when not given")
+    args = parser.parse_args(argv)
+    from cascade_ray.hardware import hardware_line
+
+    print(hardware_line(), flush=True)  # first line: the hardware these figures come from
+    import ray
+    import torch
+    from common import last_stage_replicas
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from cascade_ray.constants import apply_ray_env_defaults
+
+    _, index, data, upstream, features, cfgs, _ = last_stage_replicas(args.config, args.configs, args.epochs)
+    payload = (cfgs, index, data, upstream, features)
+    rates: dict[str, list[float]] = {"process": epochs(payload, args.group_size)}
+    ray.init(
+        num_cpus=2,
+        runtime_env={"env_vars": apply_ray_env_defaults()},
+        log_to_driver=False,
+        include_dashboard=False,
+    )
+    try:
+        ref = ray.put(payload)
+        rates["process, Ray up"] = epochs(ray.get(ref), args.group_size)
+        rates["Ray task"] = ray.get(ray.remote(num_cpus=2)(epochs).remote(ref, args.group_size))
+
+        def loop(config: dict) -> None:  # its figures go back through a file: one host
+            Path(config["out"]).write_text(json.dumps(epochs(ray.get(config["ref"][0]), config["group_size"])))
+
+        with tempfile.TemporaryDirectory(prefix="bench-batched-where-") as storage:
+            out = Path(storage) / "worker.json"
+            TorchTrainer(
+                loop,
+                train_loop_config={"ref": [ref], "out": str(out), "group_size": args.group_size},
+                scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 2}),
+                run_config=RunConfig(storage_path=storage, name="bench-batched-where"),
+            ).fit()
+            rates["Ray Train worker"] = json.loads(out.read_text())
+    finally:
+        ray.shutdown()
+    print(
+        f"bench_batched_where: stage {cfgs[0].stages[index].name!r} of {args.config}, {args.configs} replicas, "
+        f"{args.epochs} epochs of {len(data.y_train)} rows, group size {args.group_size or 'default'}; "
+        f"torch {torch.__version__}, ray {ray.__version__}"
+    )
+    base = statistics.median(rates["process"])
+    for place, per in rates.items():
+        med = statistics.median(per)
+        each = ", ".join(f"{r:.0f}" for r in per)
+        print(f"{place}: epochs at {each} replica-samples/s; median {med:.0f} ({med / base:.2f}x the process's)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
