@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,17 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def epochs(payload: tuple, group_size: int | None) -> list[float]:
     """Each epoch's training rate of one ``run_batched`` call, in this process."""
     import torch
+    from common import ListReporter
 
     from cascade_ray.stage.batched import run_batched
-
-    class Quiet:  # the in-process reporter of benchmarks/common.py, without importing it here
-        rank, world = 0, 1
-
-        def all_sum(self, values):
-            return list(values)
-
-        def report(self, metrics, state, trainer=None):
-            pass
 
     torch.set_num_threads(2)
     cfgs, index, data, upstream, features = payload
@@ -59,7 +49,7 @@ def epochs(payload: tuple, group_size: int | None) -> list[float]:
             data,
             upstream,
             features,
-            Quiet(),
+            ListReporter(),
             torch.device("cpu"),
             metric="val_accuracy",
             mode="max",
@@ -80,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     import ray
     import torch
-    from common import last_stage_replicas
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from common import in_train_worker, last_stage_replicas, ship_by_value
 
     from cascade_ray.constants import apply_ray_env_defaults
 
@@ -96,22 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         include_dashboard=False,
     )
     try:
+        ship_by_value()
         ref = ray.put(payload)
         rates["process, Ray up"] = epochs(ray.get(ref), args.group_size)
         rates["Ray task"] = ray.get(ray.remote(num_cpus=2)(epochs).remote(ref, args.group_size))
-
-        def loop(config: dict) -> None:  # its figures go back through a file: one host
-            Path(config["out"]).write_text(json.dumps(epochs(ray.get(config["ref"][0]), config["group_size"])))
-
-        with tempfile.TemporaryDirectory(prefix="bench-batched-where-") as storage:
-            out = Path(storage) / "worker.json"
-            TorchTrainer(
-                loop,
-                train_loop_config={"ref": [ref], "out": str(out), "group_size": args.group_size},
-                scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 2}),
-                run_config=RunConfig(storage_path=storage, name="bench-batched-where"),
-            ).fit()
-            rates["Ray Train worker"] = json.loads(out.read_text())
+        rates["Ray Train worker"] = in_train_worker(lambda: epochs(ray.get(ref), args.group_size))
     finally:
         ray.shutdown()
     print(

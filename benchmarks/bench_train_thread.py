@@ -28,16 +28,15 @@ against the process's main thread with the same thread count (> 1: slower). Embe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def small_ops(iters: int, repeats: int, threads: int) -> list[float]:
@@ -81,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     print(hardware_line(), flush=True)  # first line: the hardware these figures come from
     import ray
     import torch
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from common import in_train_worker, ship_by_value
 
     from cascade_ray.constants import apply_ray_env_defaults
 
@@ -102,20 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         include_dashboard=False,
     )
     try:
+        ship_by_value()
         places["Ray task"] = ray.get(ray.remote(num_cpus=args.cpus)(both).remote(*work))
 
-        def loop(config: dict) -> None:  # its figures go back through a file: one host
-            Path(config["out"]).write_text(json.dumps(both(*config["work"])))
-
-        with tempfile.TemporaryDirectory(prefix="bench-train-thread-") as storage:
-            out = Path(storage) / "worker.json"
-            TorchTrainer(
-                loop,
-                train_loop_config={"work": work, "out": str(out)},
-                scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": args.cpus}),
-                run_config=RunConfig(storage_path=storage, name="bench-train-thread"),
-            ).fit()
-            places["Ray Train worker"] = {int(n): v for n, v in json.loads(out.read_text()).items()}
+        worker = in_train_worker(both, *work, cpus=args.cpus)
+        places["Ray Train worker"] = {int(n): v for n, v in worker.items()}  # JSON made the keys strings
     finally:
         ray.shutdown()
 

@@ -82,3 +82,37 @@ def timed_batched(cfgs, index, data, upstream, features, save=None, group_size=N
             **({"group_size": group_size} if group_size is not None else {}),
         )
     return time.perf_counter() - started, reporter
+
+
+def ship_by_value() -> None:
+    """Let Ray workers run this module's functions and classes: pickled by value, since the
+    workers do not have ``benchmarks/`` on their path. Call once after ``ray.init``."""
+    import sys
+
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def in_train_worker(fn, *args, cpus: int = 2):
+    """``fn(*args)`` in the training thread of a one-worker ``TorchTrainer`` (1 worker x `cpus`
+    CPUs); its JSON-able return value, handed back through a file (driver and worker share a host)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def loop(config: dict) -> None:
+        Path(config["out"]).write_text(json.dumps(config["fn"](*config["args"])))
+
+    with tempfile.TemporaryDirectory(prefix="bench-train-worker-") as storage:
+        out = Path(storage) / "out.json"
+        TorchTrainer(
+            loop,
+            train_loop_config={"fn": fn, "args": args, "out": str(out)},
+            scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": cpus}),
+            run_config=RunConfig(storage_path=storage, name="bench-train-worker"),
+        ).fit()
+        return json.loads(out.read_text())
