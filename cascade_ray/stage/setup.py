@@ -42,6 +42,7 @@ from cascade_ray.solver import (
 )
 from cascade_ray.solver.precision import CompileState, choose_memory_format, compile_stage
 from cascade_ray.solver.step import ScalerFactory
+from cascade_ray.stage.allocator import keep_freed_memory
 from cascade_ray.stage.sharding import shard_trainable
 
 
@@ -159,6 +160,8 @@ def setup_stage(
     # on a GPU .to makes the one host-to-device copy per worker
     model, plan = build_stage_model(cfg, index, data, upstream)
     model.to(device)
+    if device.type == "cpu":
+        keep_freed_memory()  # every step's tensors reused, not unmapped and faulted in again (stage/allocator.py)
 
     # precision (auto: what `device` runs natively), then the memory format and torch.compile it
     # implies; both act in place, so the parameters below are the ones the optimizer steps
