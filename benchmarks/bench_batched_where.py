@@ -15,7 +15,10 @@ writer or trackers: only where it runs changes. Places, in this order:
 Each place gets the inputs through the object store (``ray.put`` once) and calls
 ``torch.set_num_threads(2)``; embedded ``ray.init(num_cpus=2)`` with cascade-ray's Ray env defaults.
 Prints each epoch's training rate (replica-samples/s, as the job's ``replicas.json`` records it)
-and each place's median against the process's.
+and each place's median against the process's; then, around each place's call, the wall time, the
+CPU time of the process that ran it, the CPU time of every other process on the machine and the
+time the hypervisor stole (``/proc/stat``), and the process's minor page faults and context
+switches: what else ran, and what the epochs paid for, while they trained.
 """
 
 from __future__ import annotations
@@ -32,8 +35,31 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def epochs(payload: tuple, group_size: int | None) -> list[float]:
-    """Each epoch's training rate of one ``run_batched`` call, in this process."""
+def usage() -> dict[str, float]:
+    """This process's CPU seconds, minor page faults and context switches, and the whole machine's
+    busy and stolen CPU seconds (``/proc/stat``), for the deltas around the epochs."""
+    import os
+    import resource
+    import time
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    # /proc/stat's first line: user nice system idle iowait irq softirq steal ... (clock ticks)
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return {
+        "wall_s": time.perf_counter(),
+        "cpu_s": r.ru_utime + r.ru_stime,
+        "minflt": r.ru_minflt,
+        "nvcsw": r.ru_nvcsw,
+        "nivcsw": r.ru_nivcsw,
+        "busy_s": (sum(ticks[:3]) + ticks[5] + ticks[6]) / hz,
+        "steal_s": ticks[7] / hz,
+    }
+
+
+def epochs(payload: tuple, group_size: int | None) -> dict:
+    """Each epoch's training rate of one ``run_batched`` call, in this process, and what the call
+    cost around it (:func:`usage` deltas)."""
     import torch
     from common import ListReporter
 
@@ -42,6 +68,7 @@ def epochs(payload: tuple, group_size: int | None) -> list[float]:
     torch.set_num_threads(2)
     cfgs, index, data, upstream, features = payload
     extra = {"group_size": group_size} if group_size is not None else {}
+    before = usage()
     with contextlib.redirect_stdout(io.StringIO()):
         out = run_batched(
             cfgs,
@@ -55,7 +82,8 @@ def epochs(payload: tuple, group_size: int | None) -> list[float]:
             mode="max",
             **extra,
         )
-    return [h["samples_per_s"] for h in out.histories[0]]
+    after = usage()
+    return {"rates": [h["samples_per_s"] for h in out.histories[0]]} | {k: after[k] - before[k] for k in before}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _, index, data, upstream, features, cfgs, _ = last_stage_replicas(args.config, args.configs, args.epochs)
     payload = (cfgs, index, data, upstream, features)
-    rates: dict[str, list[float]] = {"process": epochs(payload, args.group_size)}
+    runs: dict[str, dict] = {"process": epochs(payload, args.group_size)}
     ray.init(
         num_cpus=2,
         runtime_env={"env_vars": apply_ray_env_defaults()},
@@ -86,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ship_by_value()
         ref = ray.put(payload)
-        rates["process, Ray up"] = epochs(ray.get(ref), args.group_size)
-        rates["Ray task"] = ray.get(ray.remote(num_cpus=2)(epochs).remote(ref, args.group_size))
-        rates["Ray Train worker"] = in_train_worker(lambda: epochs(ray.get(ref), args.group_size))
+        runs["process, Ray up"] = epochs(ray.get(ref), args.group_size)
+        runs["Ray task"] = ray.get(ray.remote(num_cpus=2)(epochs).remote(ref, args.group_size))
+        runs["Ray Train worker"] = in_train_worker(lambda: epochs(ray.get(ref), args.group_size))
     finally:
         ray.shutdown()
     print(
@@ -96,11 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.epochs} epochs of {len(data.y_train)} rows, group size {args.group_size or 'default'}; "
         f"torch {torch.__version__}, ray {ray.__version__}"
     )
-    base = statistics.median(rates["process"])
-    for place, per in rates.items():
-        med = statistics.median(per)
-        each = ", ".join(f"{r:.0f}" for r in per)
+    base = statistics.median(runs["process"]["rates"])
+    for place, run in runs.items():
+        med = statistics.median(run["rates"])
+        each = ", ".join(f"{r:.0f}" for r in run["rates"])
         print(f"{place}: epochs at {each} replica-samples/s; median {med:.0f} ({med / base:.2f}x the process's)")
+    print("around each place's run_batched call: this process's CPU and the rest of the machine's, in seconds")
+    for place, run in runs.items():
+        print(
+            f"  {place}: wall {run['wall_s']:.1f}, CPU {run['cpu_s']:.1f} ({run['cpu_s'] / run['wall_s']:.2f} cores); "
+            f"other processes {run['busy_s'] - run['cpu_s']:.1f}, stolen {run['steal_s']:.1f}; "
+            f"{run['minflt']:.0f} minor faults, {run['nivcsw']:.0f} involuntary / {run['nvcsw']:.0f} voluntary switches"
+        )
     return 0
 
 
