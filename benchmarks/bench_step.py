@@ -33,7 +33,9 @@ step's GPU time and not only its launch. The loss then matches to float toleranc
 (cuDNN picks its kernels per run).
 
 Runs alternate (candidate, baseline, baseline, candidate, ...) after one unmeasured warm-up
-each; the figure is the median over repetitions of the per-repetition ratio. CPU-time
+each (the candidate's warm-up comes first: on CPU its ``setup_stage`` fixes glibc's malloc
+thresholds for the whole process, ``stage/allocator.py``, so every measured run of both loops has
+the same allocator settings and the ratio is the loop's overhead alone); the figure is the median over repetitions of the per-repetition ratio. CPU-time
 figures (``time.process_time``) are printed too: on a shared machine they are far less
 disturbed by other processes than wall time. Prints ``figure: value (ratio vs baseline)``.
 """
