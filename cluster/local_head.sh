@@ -79,7 +79,8 @@ state_file=$state_dir/head.env
 # --- the head's processes: everything in the session `ray start` ran in (workers call setpgid
 # but keep the session), and their descendants (a job's entrypoint runs in a session of its own).
 # `stop` ends them in Ray's own order (`ray stop`): raylet, then the rest, then the GCS, each
-# group with SIGTERM and SIGKILL after 10 s; `kill` sends SIGKILL to all of them at once.
+# group with SIGTERM and SIGKILL after 10 s; `kill` sends SIGKILL to all of them at once. What
+# joins the session during the stop (a worker the raylet was forking) is stopped in later rounds.
 # A worker node added by `add-node` is a session of its own, found the same way.
 head_procs() {  # list|stop|kill SESSION_ID
   "$PYTHON" - "$@" <<'EOF'
@@ -112,27 +113,42 @@ procs = scan()
 if mode == "list":
     print("\n".join(map(str, sorted(procs))))
     sys.exit(0)
-# kill: SIGKILL to all at once (a machine lost, for fault-tolerance tests); stop: Ray's order
-if mode == "kill":
-    groups, signals = [list(procs)], ((signal.SIGKILL, 5.0),)
-else:
-    groups = [[p for p, n in procs.items() if n == "raylet"], [p for p, n in procs.items() if n not in ("raylet", "gcs_server")], [p for p, n in procs.items() if n == "gcs_server"]]
-    signals = ((signal.SIGTERM, 10.0), (signal.SIGKILL, 2.0))
-for group in groups:
-    for sig, wait_s in signals:
-        for p in group:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while (group := [p for p in group if alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not group:
-            break
-        if sig == signal.SIGTERM:
-            print("local_head: SIGKILL to what ignored SIGTERM: " + " ".join(f"{p}({procs[p]})" for p in group), file=sys.stderr)
-left = scan() | {p: n for p, n in procs.items() if alive(p)}
+
+
+def end(procs):
+    # kill: SIGKILL to all at once (a machine lost, for fault-tolerance tests); stop: Ray's order
+    if mode == "kill":
+        groups, signals = [list(procs)], ((signal.SIGKILL, 5.0),)
+    else:
+        groups = [[p for p, n in procs.items() if n == "raylet"], [p for p, n in procs.items() if n not in ("raylet", "gcs_server")], [p for p, n in procs.items() if n == "gcs_server"]]
+        signals = ((signal.SIGTERM, 10.0), (signal.SIGKILL, 2.0))
+    for group in groups:
+        for sig, wait_s in signals:
+            for p in group:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait_s
+            while (group := [p for p in group if alive(p)]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not group:
+                break
+            if sig == signal.SIGTERM:
+                print("local_head: SIGKILL to what ignored SIGTERM: " + " ".join(f"{p}({procs[p]})" for p in group), file=sys.stderr)
+
+# A process can join the session after the scan: a worker the raylet forked as the stop began
+# (its comm still "python3"). Up to 3 more rounds stop those before anything left is an error.
+seen = dict(procs)
+for round_ in range(4):
+    if round_:
+        print("local_head: stopping what started during the stop: " + " ".join(f"{p}({n})" for p, n in procs.items()), file=sys.stderr)
+    end(procs)
+    procs = scan()
+    if not procs:
+        break
+    seen |= procs
+left = {p: n for p, n in (seen | procs).items() if alive(p)}
 if left:
     sys.exit("local_head: error: still alive: " + " ".join(f"{p}({n})" for p, n in left.items()))
 EOF

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -144,3 +145,67 @@ def test_local_head_refuses_a_token_file_readable_by_group_or_others_before_star
     assert f"--token-file {token} is readable by group/others; chmod 600 {token}" in proc.stderr
     assert "ray was called" not in proc.stderr
     assert not (tmp_path / "state" / "head.env").exists()
+
+
+def test_local_head_stop_also_stops_a_process_that_joins_the_session_during_the_stop(tmp_path):
+    """A raylet can fork a worker just as `stop` begins: the worker is not in the first scan but is
+    in the session. `stop` must end it too, not leave it running and fail (a CI teardown did)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    late = tmp_path / "late.pid"
+    # the session leader stands in for a Ray process: on SIGTERM it starts one more process in its
+    # session (as a raylet forking a worker), records its pid, and exits
+    leader_src = (
+        "import signal, subprocess, sys, time\n"
+        "def on_term(*_):\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"    open({str(late)!r}, 'w').write(str(child.pid))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    leader = subprocess.Popen(
+        [sys.executable, "-c", leader_src], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    late_pid = None
+    try:
+        assert leader.stdout.readline().strip() == "ready"
+        state = tmp_path / "state"
+        state.mkdir()
+        (state / "head.env").write_text(
+            f"SESSION_ID={leader.pid}\nTEMP_DIR={tmp_path / 'not-a-ray-temp-dir'}\nOWN_TOKEN=0\n"
+        )
+        env = {**os.environ, "RAY": str(Path(sys.executable).with_name("ray")), "PYTHON": sys.executable}
+        proc = subprocess.run(
+            ["bash", str(ROOT / "cluster" / "local_head.sh"), "stop", "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        late_pid = int(late.read_text())
+        assert proc.returncode == 0, proc.stderr
+        assert f"stopping what started during the stop: {late_pid}(python" in proc.stderr
+        deadline = time.monotonic() + 5
+        while _running(late_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(late_pid), "the process that joined the session during the stop is still running"
+        assert not (state / "head.env").exists(), "a stopped head's record is cleared"
+    finally:
+        for pid in (leader.pid, late_pid):
+            if pid and _running(pid):
+                os.kill(pid, 9)
+        leader.wait(timeout=10)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie is dead; its parent has just not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
