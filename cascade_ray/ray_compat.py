@@ -55,6 +55,7 @@ class PrivateSymbol:
 
 
 _TRAIN_CALLBACKS = "ray.train.v2._internal.callbacks"
+_CHECKPOINT_MANAGER = "ray.train.v2._internal.execution.checkpoint.checkpoint_manager"
 _PG_CALLBACK = "ray.train.v2._internal.callbacks.placement_group_callback"
 
 PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
@@ -98,6 +99,8 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     ),
     # unreadable_run_errors
     PrivateSymbol("ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError", "unreadable_run_errors"),
+    # read_run_result
+    PrivateSymbol(_CHECKPOINT_MANAGER, "logger", "read_run_result"),
     # pin_deployment_version
     PrivateSymbol("ray.serve.deployment", "Deployment._version", "pin_deployment_version", True),
     PrivateSymbol("ray.serve._private.client", "ServeControllerClient.deploy_applications", "pin_deployment_version"),
@@ -526,6 +529,44 @@ def unreadable_run_errors() -> tuple[type[BaseException], ...]:
         )
         return (RuntimeError,)
     return (RuntimeError, cls)
+
+
+RESUME_NOTICE = "A run snapshot was found in storage folder"  # how Ray 2.60.0's notice begins
+
+
+class _DropResumeNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(RESUME_NOTICE)
+
+
+def read_run_result(path: str) -> ray.train.Result:
+    """``ray.train.Result.from_path(path)`` for a run that is only read back, without Ray's resume notice.
+
+    Ray 2.60.0's checkpoint manager logs at INFO, whenever it loads a run folder's snapshot, "A run
+    snapshot was found ... If you meant to start a brand new training job ... delete the existing
+    folder": advice for a fit that resumes, printed here after every Tune sweep (the best trial is
+    read back to adopt it) and by ``--resume``'s look at an earlier run, where nothing is resumed
+    by Ray and nothing should be deleted. Buys: that notice is dropped (a filter on the checkpoint
+    manager's module logger for the call's duration; every other record passes). Fallback
+    (moved): the notice is printed.
+    """
+    try:
+        ray_logger = _symbol(_CHECKPOINT_MANAGER, "logger")
+        if not isinstance(ray_logger, logging.Logger):
+            raise AttributeError(f"its logger is a {type(ray_logger).__name__}, not a logging.Logger")
+    except (ImportError, AttributeError) as exc:
+        _warn_once(
+            "read_run_result",
+            f"Ray Train's checkpoint-manager logger is gone ({exc})",
+            "reading a finished run back prints Ray's 'A run snapshot was found' resume notice",
+        )
+        return ray.train.Result.from_path(path)
+    drop = _DropResumeNotice()
+    ray_logger.addFilter(drop)
+    try:
+        return ray.train.Result.from_path(path)
+    finally:
+        ray_logger.removeFilter(drop)
 
 
 def missing_private_symbols(symbols: Iterable[PrivateSymbol] = PRIVATE_SYMBOLS) -> list[tuple[PrivateSymbol, str]]:

@@ -25,7 +25,7 @@ from cascade_ray.models.plan import known_plans
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.failures import stage_failure
 from cascade_ray.pipeline.trainer import StageTrainer
-from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status, unreadable_run_errors
+from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status, read_run_result, unreadable_run_errors
 from cascade_ray.stage.observe import observer_config
 from cascade_ray.stage.worker import train_loop_per_worker
 from cascade_ray.storage import StorageDir, full_uri
@@ -65,7 +65,7 @@ def resumable_run(ray_dir: StorageDir, stage: StageConfig, index: int, fingerpri
         return None
     name = f"{prefix}-a{taken[-1]}"
     try:
-        result = ray.train.Result.from_path(full_uri(ray_dir / name))
+        result = read_run_result(full_uri(ray_dir / name))
     # no checkpoint snapshot (the run never got to one), or one naming a deleted checkpoint (save_last: false)
     except (*unreadable_run_errors(), OSError, ValueError):
         return None

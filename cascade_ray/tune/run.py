@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import ray
 import yaml
 
 from cascade_ray.config.schema import PipelineConfig
@@ -22,6 +21,7 @@ from cascade_ray.errors import CascadeError
 from cascade_ray.logs import print_guard, set_print_guard
 from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
+from cascade_ray.ray_compat import read_run_result
 from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.state import write_state
@@ -174,7 +174,7 @@ def adopt_best(
     """
     cfg = trial_config(session.cfg, outcome.stage, outcome.best_values)
     fp = stage_fingerprint(cfg, index, upstream.fingerprint if upstream else "", session.data_fp)
-    result = ray.train.Result.from_path(full_uri(outcome.best_trial_run))
+    result = read_run_result(full_uri(outcome.best_trial_run))
     record, handoff = dataclasses.replace(session, cfg=cfg).finish(
         index,
         upstream,

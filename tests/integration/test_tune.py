@@ -92,6 +92,35 @@ def test_the_driver_shows_each_trials_progress_in_plain_lines(sweep):
     assert sum(line.endswith(" *") for line in lines if " TERMINATED " in line) >= 1  # the sweep's leader
 
 
+def test_reading_the_best_trial_back_prints_no_resume_advice(sweep):
+    """Ray's checkpoint manager tells whoever reads a run folder to delete it if they meant a new
+    job; the sweep only reads its best trial back, so cascade-ray's read drops that notice."""
+    import logging
+
+    import ray
+
+    from cascade_ray.ray_compat import PRIVATE_SYMBOLS, RESUME_NOTICE, read_run_result, resolve
+
+    _, _, tmp = sweep
+    runs = sorted(p.parent for p in tmp.rglob("checkpoint_manager_snapshot.json") if "/trials/" in str(p))
+    assert runs, "the sweep's trials left Ray run folders"
+    ray_logger = resolve(next(s for s in PRIVATE_SYMBOLS if s.shim == "read_run_result"))
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    ray_logger.addHandler(handler)
+    level = ray_logger.level
+    ray_logger.setLevel(logging.INFO)
+    try:
+        assert read_run_result(str(runs[0])).checkpoint is not None
+        assert not [m for m in seen if m.startswith(RESUME_NOTICE)], seen
+        ray.train.Result.from_path(str(runs[0]))  # Ray's plain read says it: what the test guards against
+        assert [m for m in seen if m.startswith(RESUME_NOTICE)], "Ray no longer logs its notice here"
+    finally:
+        ray_logger.setLevel(level)
+        ray_logger.removeHandler(handler)
+
+
 def test_every_trial_read_the_same_upstream_object(sweep):
     _, summary, tmp = sweep
     inputs = [

@@ -160,7 +160,7 @@ MODULE_GONE = [
     ("worker_failure_cause", lambda: ray_compat.worker_failure_cause(RuntimeError("x")), None),
     ("unreadable_run_errors", ray_compat.unreadable_run_errors, (RuntimeError,)),
 ]
-SEPARATELY_TESTED = {"LeanTorchTrainer", "quick_stop_cleaner_class", "uncount_asha_stop"}
+SEPARATELY_TESTED = {"LeanTorchTrainer", "quick_stop_cleaner_class", "uncount_asha_stop", "read_run_result"}
 
 
 @pytest.mark.parametrize(("shim", "call", "fallback"), MODULE_GONE, ids=[c[0] for c in MODULE_GONE])
@@ -171,6 +171,52 @@ def test_a_missing_private_module_warns_once_and_falls_back(monkeypatch, caplog,
         assert call() == fallback
         assert call() == fallback
     _assert_one_warning(caplog, shim)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _checkpoint_manager_logger() -> logging.Logger:
+    return ray_compat.resolve(next(s for s in PRIVATE_SYMBOLS if s.shim == "read_run_result"))
+
+
+def test_reading_a_run_back_drops_only_rays_resume_notice(monkeypatch):
+    """Ray's checkpoint manager logs its resume notice while from_path reads the snapshot: dropped
+    for that call; its other records pass, and the filter is gone afterwards."""
+    ray_logger = _checkpoint_manager_logger()
+    records = _Records()
+    ray_logger.addHandler(records)
+    monkeypatch.setattr(ray_logger, "level", logging.INFO)
+
+    def from_path(path):
+        ray_logger.info(ray_compat.RESUME_NOTICE + f" at: '{path}'\nIf you meant to start a brand new training job ...")
+        ray_logger.info("another record")
+        return "result of " + path
+
+    monkeypatch.setattr(ray.train.Result, "from_path", from_path)
+    try:
+        assert ray_compat.read_run_result("/runs/a") == "result of /runs/a"
+        assert records.messages == ["another record"]
+        assert ray_logger.filters == []
+        ray_logger.info(ray_compat.RESUME_NOTICE + " at: '/runs/b'")  # a real resume (a fit) still says so
+        assert len(records.messages) == 2
+    finally:
+        ray_logger.removeHandler(records)
+
+
+def test_without_the_checkpoint_managers_logger_a_run_is_read_as_ray_reads_it(monkeypatch, caplog, tmp_path):
+    _break_module(monkeypatch, "read_run_result")
+    with caplog.at_level(logging.WARNING, logger="cascade_ray.ray_compat"):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="doesn't exist"):  # Ray's own error for a missing run
+                ray_compat.read_run_result(str(tmp_path / "missing"))
+    _assert_one_warning(caplog, "read_run_result")
 
 
 def test_without_rays_callback_classes_a_stage_fit_keeps_rays_callbacks(monkeypatch, caplog):
