@@ -19,7 +19,10 @@ training thread that is not the main thread, as in a Ray Train worker, has its o
 then holds on to its peak step's memory instead of returning and re-faulting it, as PyTorch's
 CUDA caching allocator does on a GPU. :func:`~cascade_ray.stage.setup.setup_stage` calls it for
 a CPU stage, in whatever process trains (a Ray Train worker, a batched sweep's worker, a user's
-own process calling ``run_stage``).
+own process calling ``run_stage``), and
+:func:`~cascade_ray.pipeline.features.upstream_outputs` in whatever process computes a feature
+cache on the CPU (the driver on one node, or a Ray task): there the same adaptive thresholds
+cost the demo's two caches up to 1.5 million faults and up to 1.4 s each (docs/benchmarks.md).
 
 Left alone: a C library other than glibc, and a process whose environment already sets glibc's
 malloc knobs (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``,

@@ -99,3 +99,20 @@ def test_a_cpu_stage_setup_keeps_freed_memory(digits, monkeypatch):
     cfg = load_config(CONFIGS / "debug.yaml", [])
     setup_mod.setup_stage(cfg, 0, digits, None, torch.device("cpu"))
     assert calls == [1]
+
+
+def test_a_feature_cache_computed_on_the_cpu_keeps_freed_memory(digits, monkeypatch):
+    """The driver (or a Ray task) running the frozen upstream over every sample allocates the same
+    batch activations again and again, as a training step does."""
+    from cascade_ray.checks import load_config
+    from cascade_ray.pipeline.features import upstream_outputs
+    from cascade_ray.stage.setup import build_stage_model
+
+    cfg = load_config(CONFIGS / "debug.yaml", [])
+    model, _ = build_stage_model(cfg, 0, digits, None)
+    upstream = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    calls: list[int] = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or "set")
+    out = upstream_outputs(cfg, 1, digits, upstream)
+    assert calls == [1]
+    assert len(out["train"]) == len(digits.y_train)
