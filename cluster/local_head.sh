@@ -148,7 +148,7 @@ for round_ in range(4):
     if not procs:
         break
     seen |= procs
-left = {p: n for p, n in (seen | procs).items() if alive(p)}
+left = {p: n for p, n in seen.items() if alive(p)}
 if left:
     sys.exit("local_head: error: still alive: " + " ".join(f"{p}({n})" for p, n in left.items()))
 EOF

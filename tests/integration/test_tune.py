@@ -98,16 +98,16 @@ def test_reading_the_best_trial_back_prints_no_resume_advice(sweep):
     import logging
 
     import ray
+    from fakes import LogRecords, checkpoint_manager_logger
 
-    from cascade_ray.ray_compat import PRIVATE_SYMBOLS, RESUME_NOTICE, read_run_result, resolve
+    from cascade_ray.ray_compat import RESUME_NOTICE, read_run_result
 
     _, _, tmp = sweep
     runs = sorted(p.parent for p in tmp.rglob("checkpoint_manager_snapshot.json") if "/trials/" in str(p))
     assert runs, "the sweep's trials left Ray run folders"
-    ray_logger = resolve(next(s for s in PRIVATE_SYMBOLS if s.shim == "read_run_result"))
-    seen: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: seen.append(record.getMessage())
+    ray_logger = checkpoint_manager_logger()
+    handler = LogRecords()
+    seen = handler.messages
     ray_logger.addHandler(handler)
     level = ray_logger.level
     ray_logger.setLevel(logging.INFO)

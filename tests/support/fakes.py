@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 
 from cascade_ray.models.weights import to_numpy_state
@@ -27,3 +28,21 @@ class ListReporter:
             self.states.append(to_numpy_state(state))
         if trainer is not None:
             self.trainers.append(copy.deepcopy(trainer))
+
+
+class LogRecords(logging.Handler):
+    """The messages a logger emits while this handler is attached to it (every level)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def checkpoint_manager_logger() -> logging.Logger:
+    """Ray Train's checkpoint-manager logger, which ``ray_compat.read_run_result`` filters."""
+    from cascade_ray import ray_compat
+
+    return ray_compat.resolve(next(s for s in ray_compat.PRIVATE_SYMBOLS if s.shim == "read_run_result"))

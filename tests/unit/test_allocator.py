@@ -105,12 +105,13 @@ def test_a_feature_cache_computed_on_the_cpu_keeps_freed_memory(digits, monkeypa
     """The driver (or a Ray task) running the frozen upstream over every sample allocates the same
     batch activations again and again, as a training step does."""
     from cascade_ray.checks import load_config
+    from cascade_ray.models.weights import to_numpy_state
     from cascade_ray.pipeline.features import upstream_outputs
     from cascade_ray.stage.setup import build_stage_model
 
     cfg = load_config(CONFIGS / "debug.yaml", [])
     model, _ = build_stage_model(cfg, 0, digits, None)
-    upstream = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    upstream = to_numpy_state(model.state_dict())
     calls: list[int] = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or "set")
     out = upstream_outputs(cfg, 1, digits, upstream)

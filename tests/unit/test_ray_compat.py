@@ -13,6 +13,7 @@ import threading
 import pytest
 import ray
 import ray.train
+from fakes import LogRecords, checkpoint_manager_logger
 from paths import ROOT
 from ray.train.torch import TorchTrainer
 
@@ -173,24 +174,11 @@ def test_a_missing_private_module_warns_once_and_falls_back(monkeypatch, caplog,
     _assert_one_warning(caplog, shim)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _checkpoint_manager_logger() -> logging.Logger:
-    return ray_compat.resolve(next(s for s in PRIVATE_SYMBOLS if s.shim == "read_run_result"))
-
-
 def test_reading_a_run_back_drops_only_rays_resume_notice(monkeypatch):
     """Ray's checkpoint manager logs its resume notice while from_path reads the snapshot: dropped
     for that call; its other records pass, and the filter is gone afterwards."""
-    ray_logger = _checkpoint_manager_logger()
-    records = _Records()
+    ray_logger = checkpoint_manager_logger()
+    records = LogRecords()
     ray_logger.addHandler(records)
     monkeypatch.setattr(ray_logger, "level", logging.INFO)
 
