@@ -18,10 +18,15 @@ the state dict's keys: parameters, and buffers for the BatchNorm statistics):
   (as ``load_state_dict`` does). The page cache is not dropped: the directory's best case.
 - **object store, copied** (cascade-ray's hand-off before issue 19): one ``ray.put``; each
   consumer ``ray.get``s (read-only views of shared memory) and copies into its module.
-- **object store, shared** (cascade-ray's hand-off now): one ``ray.put``; each consumer
-  ``ray.get``s and makes the module's tensors views of the arrays with
-  ``cascade_ray.models.weights.share_numpy_state``, the function Train workers use for frozen
-  upstream tensors. No copy: N consumers on the node read the object store's one copy.
+- **object store, shared** (cascade-ray's hand-off now): one ``ray.put`` of the state as the
+  pipeline's driver holds it, read from the stage's safetensors file by
+  ``cascade_ray.models.weights.load_safetensors`` (one block, the arrays views of it: it
+  travels as one buffer); each consumer ``ray.get``s and makes the module's tensors views of
+  the arrays with ``cascade_ray.models.weights.share_numpy_state``, the function Train workers
+  use for frozen upstream tensors. No copy: N consumers on the node read the object store's one copy.
+- **object store, shared, 320 buffers** (the same before the one-block read): the producer's
+  plain dict of arrays (as ``safetensors.numpy.load_file`` returns it), each array one buffer
+  of the put and one array rebuilt by every ``ray.get``; consumers as above.
 
 The copying paths' consumers hold a module built before timing (its tensors allocated and
 written); the shared path's consumers build theirs (``torch.empty``, untouched: a Train worker's
@@ -29,7 +34,8 @@ random init would touch it) before each round, untimed, since the share replaces
 Once, untimed, a consumer of each path returns a sha256 of every tensor it holds, checked against
 the producer's. Each N runs ``--repeats`` times, the paths rotating which goes first; medians.
 
-The consumer's own part of the shared path is also timed in the driver's process, one thread:
+The producer's read of the stage's file is timed in the driver's process, alternating, medians
+of 7: ``load_safetensors`` (one block) against ``safetensors.numpy.load_file``. The consumer's own part of the shared path is also timed in the driver's process, one thread:
 ``share_numpy_state`` of the read-only arrays into a freshly built module, against torch's
 ``load_state_dict(assign=True)`` of the same views (which makes the same views, through
 ``Module.__setattr__`` and the module's state-dict machinery), alternating, medians of 31.
@@ -228,7 +234,7 @@ def make_consumer_class():
                 warnings.simplefilter("ignore", UserWarning)
                 return self._copy_in({k: torch.from_numpy(v) for k, v in state.items()})
 
-        def from_store_shared(self, wrapped: list) -> int:
+        def from_store_shared(self, wrapped: list) -> int:  # a block of views or a dict of arrays
             from cascade_ray.models.weights import share_numpy_state
 
             state = ray.get(wrapped[0])
@@ -263,14 +269,38 @@ def run_path(kind: str, state, consumers, root: Path) -> tuple[float, float]:
         return total, t_prod
     ref = ray.put(state)
     t_prod = time.perf_counter() - t0
-    method = "from_store_shared" if kind == "shared" else "from_store_copied"
+    method = "from_store_copied" if kind == "copied" else "from_store_shared"
     ray.get([getattr(c, method).remote([ref]) for c in consumers])
     total = time.perf_counter() - t0
     del ref
     return total, t_prod
 
 
-PATHS = {"dir": "checkpoint directory", "copied": "object store, copied", "shared": "object store, shared"}
+PATHS = {
+    "dir": "checkpoint directory",
+    "copied": "object store, copied",
+    "shared_dict": "object store, shared, 320 buffers",
+    "shared": "object store, shared",
+}
+SHARING = ("shared", "shared_dict")
+READ_REPEATS = 7  # in-process reads of the stage's file per reader (alternating)
+
+
+def time_reads(path: Path, repeats: int) -> tuple[float, float]:
+    """Medians (s) of reading the stage's safetensors file: cascade-ray's ``load_safetensors``
+    (one block) vs ``safetensors.numpy.load_file`` (the baseline), alternating."""
+    from safetensors.numpy import load_file
+
+    from cascade_ray.models.weights import load_safetensors
+
+    times: dict[str, list[float]] = {"block": [], "load_file": []}
+    for i in range(repeats):
+        for kind in ("block", "load_file") if i % 2 else ("load_file", "block"):
+            t0 = time.perf_counter()
+            state = load_safetensors(path) if kind == "block" else load_file(str(path))
+            times[kind].append(time.perf_counter() - t0)
+            del state
+    return statistics.median(times["block"]), statistics.median(times["load_file"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,19 +341,34 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         want = digest(state)  # untimed: every path delivers exactly the producer's state
-        ref = ray.put(state)
         path = root / "check.safetensors"
         save_file(state, str(path))
+        read_s, load_file_s = time_reads(path, READ_REPEATS)
+        from cascade_ray.models.weights import load_safetensors
+
+        packed = load_safetensors(path)  # the state as the pipeline's driver reads it from the stage's file
+        if type(packed).__name__ != "PackedState":
+            raise RuntimeError(f"load_safetensors returned a {type(packed).__name__}, not one block of views")
+        held = {"dir": state, "copied": state, "shared_dict": state, "shared": packed}
         ray.get([copying[0].from_dir.remote(str(path))])
         got = {"dir": ray.get(copying[0].check.remote())}
-        ray.get([copying[0].from_store_copied.remote([ref]), sharing[0].from_store_shared.remote([ref])])
-        got |= {"copied": ray.get(copying[0].check.remote()), "shared": ray.get(sharing[0].check.remote())}
+        ray.get(copying[0].from_store_copied.remote([ray.put(state)]))
+        got["copied"] = ray.get(copying[0].check.remote())
+        for kind in SHARING:
+            ray.get(sharing[0].build.remote(False))
+            ray.get(sharing[0].from_store_shared.remote([ray.put(held[kind])]))
+            got[kind] = ray.get(sharing[0].check.remote())
         if set(got.values()) != {want}:
             raise RuntimeError(f"a consumer's loaded state differs from the producer's: {got}")
         ray.get(sharing[0].build.remote(False))
-        del ref
         path.unlink()
         print(f"identical state check: every path delivers the producer's {len(state)} tensors bit for bit (sha256)")
+        print(
+            f"producer's read of the stage's file (medians of {READ_REPEATS}, alternating): load_safetensors (one block) "
+            f"{read_s * 1e3:.1f} ms vs safetensors.numpy.load_file {load_file_s * 1e3:.1f} ms "
+            f"({load_file_s / read_s:.2f}x faster than baseline)",
+            flush=True,
+        )
         share_s, assign_s = time_share_in_process(shapes_np, state, SHARE_REPEATS)
         print(
             f"consumer's share in one process (1 thread, medians of {SHARE_REPEATS}): share_numpy_state {share_s * 1e3:.2f} ms vs "
@@ -332,9 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         def one(kind: str, n: int) -> tuple[float, float]:
-            if kind == "shared":
+            if kind in SHARING:
                 ray.get([c.build.remote(False) for c in sharing[:n]])  # untimed: the model a worker builds
-            return run_path(kind, state, (sharing if kind == "shared" else copying)[:n], root)
+            return run_path(kind, held[kind], (sharing if kind in SHARING else copying)[:n], root)
 
         for kind in PATHS:  # warm-up, not measured
             one(kind, n_max)
@@ -360,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         for kind, label in PATHS.items():
             a, b = results[(kind, first)], results[(kind, last)]
             print(f"growth N={first}->{last}, {label}: {a:.3f} s -> {b:.3f} s ({b / a:.2f}x)")
+        for n in args.consumers:
+            block, buffers = results[("shared", n)], results[("shared_dict", n)]
+            print(
+                f"N={n} shared hand-off, one block vs 320 buffers: {block:.3f} vs {buffers:.3f} s ({buffers / block:.2f}x)"
+            )
 
         # memory at the largest N: the sharing actors still hold the last round's views
         one("shared", last)

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from cascade_ray.models.packed import read_packed
+
 NumpyState = dict[str, np.ndarray]
 
 # the keys a module holds as views of shared arrays (set by share_numpy_state, read by
@@ -224,9 +226,13 @@ def safetensors_header_problem(path: str | Path) -> str | None:
 def load_safetensors(path: str | Path) -> NumpyState:
     """Read a safetensors file into a numpy state dict.
 
+    A file whose tensors numpy can view in place (every file cascade-ray writes) is read as
+    one block, its arrays views of it (:class:`~cascade_ray.models.packed.PackedState`), so a
+    ``ray.put`` of the result moves one buffer; any other goes through safetensors' reader.
+
     Raises:
-        ValueError: naming the file, when its framing is damaged (:func:`safetensors_header_problem`)
-            or safetensors cannot parse it.
+        ValueError: naming the file, when its framing is damaged (:func:`safetensors_header_problem`),
+            safetensors cannot parse it, or it holds a dtype numpy lacks (bf16, float8).
     """
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
@@ -234,7 +240,15 @@ def load_safetensors(path: str | Path) -> NumpyState:
     problem = safetensors_header_problem(path)
     if problem is not None:
         raise ValueError(f"{path}: {problem}")
+    packed = read_packed(path)
+    if packed is not None:
+        return packed
     try:
         return load_file(str(path))
     except SafetensorError as exc:
         raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    except TypeError as exc:  # numpy has no bfloat16 or float8: safetensors' numpy reader says "not understood"
+        raise ValueError(
+            f"{path}: holds a dtype numpy cannot represent ({exc}); cascade-ray's own checkpoints and artifacts "
+            "store bf16 weights as float32, so this file was not written by cascade-ray"
+        ) from None

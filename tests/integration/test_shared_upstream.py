@@ -60,15 +60,23 @@ def _make_actor(ray):
     return Consumer
 
 
-def test_two_workers_on_one_node_share_the_frozen_stage(ray_session, digits):
+@pytest.mark.parametrize("form", ["read-from-its-file", "dict-of-arrays"])
+def test_two_workers_on_one_node_share_the_frozen_stage(ray_session, digits, tmp_path, form):
+    """`form`: the state as the driver hands it on (read from the stage's safetensors file: one
+    block of views, models/packed.py), and as a plain dict of arrays (an imported stage's)."""
     ray = ray_session
     from cascade_ray.checks import load_config
-    from cascade_ray.models.weights import to_numpy_state
+    from cascade_ray.models.packed import PackedState
+    from cascade_ray.models.weights import load_safetensors, save_safetensors, to_numpy_state
     from cascade_ray.stage.setup import build_stage_model
 
     config = str(CONFIGS / "debug.yaml")
     stage0, _ = build_stage_model(load_config(config, OVERRIDES), 0, digits, None)
     state = to_numpy_state(stage0.state_dict())
+    if form == "read-from-its-file":
+        save_safetensors(state, tmp_path / "weights.safetensors")
+        state = load_safetensors(tmp_path / "weights.safetensors")
+        assert isinstance(state, PackedState)
     assert sum(a.nbytes for a in state.values()) > 1_000_000
     ref = ray.put(state)
     Consumer = _make_actor(ray)

@@ -1,0 +1,143 @@
+"""A state dict read from a safetensors file as one block: numpy views cut by the file's header.
+
+The driver hands each finished stage on with one ``ray.put`` of the state it read from the
+best checkpoint (``pipeline/stages.py``). Ray pickles a dict of N arrays as N out-of-band
+buffers and rebuilds N arrays from them in every ``ray.get``; a :class:`PackedState` pickles
+as its one block and the list of where each tensor lies in it, so the hand-off moves one
+buffer, and each reader cuts its views from the shared block (a few microseconds a tensor).
+The block is the safetensors file's data section as it is on disk, read with one
+``readinto``: no packing copy, and faster than ``safetensors.numpy.load_file``, which copies
+tensor by tensor out of a memory map (``docs/benchmarks.md``, P3).
+
+A file this module cannot cut into aligned numpy views (a dtype numpy lacks such as bf16, a
+tensor at an offset its dtype cannot view aligned, or any framing it does not expect) is left
+to the caller to read the ordinary way: :func:`read_packed` returns None.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# safetensors dtype -> numpy (little-endian, as the format stores every tensor)
+SAFETENSORS_NUMPY_DTYPES = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U64": "<u8",
+    "U32": "<u4",
+    "U16": "<u2",
+    "U8": "u1",
+    "BOOL": "?",
+}
+_READ_CHUNK_BYTES = 64 << 20  # one readinto per chunk: a short read (a file shrinking under us) is seen early
+
+Entry = tuple[str, str, tuple[int, ...], int]  # key, numpy dtype, shape, byte offset in the block
+
+
+class PackedState(dict):
+    """A dict of numpy arrays that are views of one ``uint8`` block; pickles as (block, index).
+
+    It is an ordinary ``dict`` to every reader. While its entries are still the views it was
+    built with (nothing added, removed or replaced), pickling it (``ray.put``, ``copy``)
+    carries the block as one buffer and the index; once edited it pickles as a plain dict of
+    its current arrays. Any view keeps the whole block alive.
+    """
+
+    __slots__ = ("_block", "_index", "_views")
+
+    def __init__(self, block: np.ndarray, index: tuple[Entry, ...]) -> None:
+        views = tuple(np.ndarray(shape, dtype=dtype, buffer=block, offset=offset) for _, dtype, shape, offset in index)
+        super().__init__(zip((entry[0] for entry in index), views))
+        self._block, self._index, self._views = block, index, views
+
+    @property
+    def block(self) -> np.ndarray:
+        """The one buffer every entry views (read-only after a ``ray.get``)."""
+        return self._block
+
+    def intact(self) -> bool:
+        """Whether the entries are exactly the views the block was cut into."""
+        get = dict.get
+        return len(self) == len(self._index) and all(
+            get(self, entry[0]) is view for entry, view in zip(self._index, self._views)
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self.intact():
+            return PackedState, (self._block, self._index)
+        return dict, (dict(self),)
+
+
+def read_packed(path: str | Path) -> PackedState | None:
+    """The safetensors file at `path` as a :class:`PackedState`, or None to read it otherwise.
+
+    The header must describe tensors that tile the data section exactly (contiguous from 0,
+    each the size its dtype and shape give, ending at the file's end), each at an offset
+    aligned for its dtype; anything else returns None, so the caller's reader (safetensors'
+    own) decides, with its own errors. The caller has checked the framing
+    (``weights.safetensors_header_problem``).
+
+    Raises:
+        ValueError: naming the file, when it ends before its header says (it shrank while read).
+    """
+    with open(path, "rb", buffering=0) as f:
+        length = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            return None
+        size = os.fstat(f.fileno()).st_size - 8 - length
+        index = _layout(header, size)
+        if index is None:
+            return None
+        block = np.empty(size, dtype=np.uint8)
+        view, done = memoryview(block), 0
+        while done < size:
+            got = f.readinto(view[done : done + _READ_CHUNK_BYTES])
+            if not got:
+                raise ValueError(f"{path}: ended after {done} of its {size} data bytes (changed while read?)")
+            done += got
+    return PackedState(block, index)
+
+
+def _layout(header: Any, size: int) -> tuple[Entry, ...] | None:
+    """The entries of a parsed safetensors header in file order, or None when they do not tile
+    `size` bytes exactly with numpy dtypes at aligned offsets."""
+    if not isinstance(header, dict):
+        return None
+    spans: list[tuple[int, int, Entry]] = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            return None
+        dtype = SAFETENSORS_NUMPY_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        shape, offsets = info["shape"], info["data_offsets"]
+        if dtype is None or not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+            return None
+        begin, end = offsets
+        itemsize = np.dtype(dtype).itemsize
+        if begin % itemsize or end - begin != math.prod(shape) * itemsize:
+            return None
+        spans.append((begin, end, (key, dtype, tuple(shape), begin)))
+    spans.sort(key=lambda s: s[:2])
+    at = 0
+    for begin, end, _ in spans:  # contiguous: no overlap, no gap (a zero-size tensor may share an offset)
+        if begin != at:
+            return None
+        at = end
+    return tuple(entry for _, _, entry in spans) if at == size else None
+
+
+def _ints(values: Any) -> bool:
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
