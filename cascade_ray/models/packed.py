@@ -5,13 +5,13 @@ best checkpoint (``pipeline/stages.py``). Ray pickles a dict of N arrays as N ou
 buffers and rebuilds N arrays from them in every ``ray.get``; a :class:`PackedState` pickles
 as its one block and the list of where each tensor lies in it, so the hand-off moves one
 buffer, and each reader cuts its views from the shared block (a few microseconds a tensor).
-The block is the safetensors file's data section as it is on disk, read with one
-``readinto``: no packing copy, and faster than ``safetensors.numpy.load_file``, which copies
+The block is the safetensors file's data section as it is on disk, read straight into it
+(``readinto``): no packing copy, and faster than ``safetensors.numpy.load_file``, which copies
 tensor by tensor out of a memory map (``docs/benchmarks.md``, P3).
 
 A file this module cannot cut into aligned numpy views (a dtype numpy lacks such as bf16, a
-tensor at an offset its dtype cannot view aligned, or any framing it does not expect) is left
-to the caller to read the ordinary way: :func:`read_packed` returns None.
+tensor at an offset its dtype cannot view aligned, any framing it does not expect, or a
+big-endian host) is left to the caller to read the ordinary way: :func:`read_packed` returns None.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,8 @@ def read_packed(path: str | Path) -> PackedState | None:
     Raises:
         ValueError: naming the file, when it ends before its header says (it shrank while read).
     """
+    if sys.byteorder != "little":  # the views would be byte-swapped dtypes torch cannot take
+        return None
     with open(path, "rb", buffering=0) as f:
         length = int.from_bytes(f.read(8), "little")
         try:

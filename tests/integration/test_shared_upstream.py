@@ -44,7 +44,7 @@ def _make_actor(ray):
             data = load_digits(train_size=None, val_fraction=0.2, seed=0)
             self.setup = setup_stage(cfg, 1, data, upstream, torch.device("cpu"))  # held while the other loads
             state = self.setup.model.state_dict()
-            out = {"frozen": {}, "refused_write": False}
+            out = {"frozen": {}, "refused_write": False, "type": type(upstream).__name__}
             for key in self.setup.plan.frozen_keys:
                 tensor = state[key]
                 out["frozen"][key] = (
@@ -88,5 +88,7 @@ def test_two_workers_on_one_node_share_the_frozen_stage(ray_session, digits, tmp
         assert "plasma" in path and perms.endswith("s"), f"{key}: in {path!r} ({perms}), not the shared object store"
         assert second["frozen"][key] == ((path, perms, offset), True), f"{key}: the second worker holds another copy"
     assert first["refused_write"] and second["refused_write"]
+    # the block travels as a block: each reader gets the same PackedState back
+    assert first["type"] == second["type"] == ("PackedState" if form == "read-from-its-file" else "dict")
     for actor in actors:
         ray.kill(actor)
