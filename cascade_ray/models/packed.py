@@ -9,9 +9,12 @@ The block is the safetensors file's data section as it is on disk, read straight
 (``readinto``): no packing copy, and faster than ``safetensors.numpy.load_file``, which copies
 tensor by tensor out of a memory map (``docs/benchmarks.md``, P3).
 
-A file this module cannot cut into aligned numpy views (a dtype numpy lacks such as bf16, a
-tensor at an offset its dtype cannot view aligned, any framing it does not expect, or a
-big-endian host) is left to the caller to read the ordinary way: :func:`read_packed` returns None.
+A file this module cannot cut into aligned numpy views (a tensor at an offset its dtype cannot
+view aligned, any framing it does not expect, or a big-endian host) is left to the caller to
+read the ordinary way: :func:`read_packed` returns None. A tensor of a dtype plain numpy lacks
+(bf16, float8) is an error either way: with ``ml_dtypes`` imported (some packages do),
+safetensors' own reader would return bf16 arrays that ``torch.from_numpy`` refuses later, and
+without it a ``TypeError``; which one would depend on what the process imported first.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ SAFETENSORS_NUMPY_DTYPES = {
     "U16": "<u2",
     "U8": "u1",
     "BOOL": "?",
+    "C64": "<c8",
 }
 _READ_CHUNK_BYTES = 64 << 20  # one readinto per chunk: a short read (a file shrinking under us) is seen early
 
@@ -89,7 +93,8 @@ def read_packed(path: str | Path) -> PackedState | None:
     (``weights.safetensors_header_problem``).
 
     Raises:
-        ValueError: naming the file, when it ends before its header says (it shrank while read).
+        ValueError: naming the file, when a tensor's dtype is one plain numpy lacks (bf16, float8),
+            or when it ends before its header says (it shrank while read).
     """
     if sys.byteorder != "little":  # the views would be byte-swapped dtypes torch cannot take
         return None
@@ -100,7 +105,7 @@ def read_packed(path: str | Path) -> PackedState | None:
         except ValueError:
             return None
         size = os.fstat(f.fileno()).st_size - 8 - length
-        index = _layout(header, size)
+        index = _layout(header, size, path)
         if index is None:
             return None
         block = np.empty(size, dtype=np.uint8)
@@ -113,11 +118,30 @@ def read_packed(path: str | Path) -> PackedState | None:
     return PackedState(block, index)
 
 
-def _layout(header: Any, size: int) -> tuple[Entry, ...] | None:
+def _layout(header: Any, size: int, path: str | Path) -> tuple[Entry, ...] | None:
     """The entries of a parsed safetensors header in file order, or None when they do not tile
-    `size` bytes exactly with numpy dtypes at aligned offsets."""
+    `size` bytes exactly at offsets aligned for their dtypes.
+
+    Raises:
+        ValueError: naming `path` and the key, for a dtype plain numpy lacks.
+    """
     if not isinstance(header, dict):
         return None
+    lacking = [
+        (key, info["dtype"])
+        for key, info in header.items()
+        if key != "__metadata__"
+        and isinstance(info, dict)
+        and isinstance(info.get("dtype"), str)
+        and info["dtype"] not in SAFETENSORS_NUMPY_DTYPES
+    ]
+    if lacking:  # checked first: a file refused for its layout must not reach a reader that takes them
+        key, dtype = lacking[0]
+        raise ValueError(
+            f"{path}: tensor {key!r} is {dtype}, a dtype numpy cannot hold (it holds "
+            f"{', '.join(SAFETENSORS_NUMPY_DTYPES)}); cascade-ray's own checkpoints and artifacts store bf16 "
+            "weights as float32, so this file was not written by cascade-ray"
+        )
     spans: list[tuple[int, int, Entry]] = []
     for key, info in header.items():
         if key == "__metadata__":

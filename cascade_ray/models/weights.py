@@ -232,7 +232,8 @@ def load_safetensors(path: str | Path) -> NumpyState:
 
     Raises:
         ValueError: naming the file, when its framing is damaged (:func:`safetensors_header_problem`),
-            safetensors cannot parse it, or it holds a dtype numpy lacks (bf16, float8).
+            safetensors cannot parse it, or it holds a dtype plain numpy lacks (bf16, float8:
+            :func:`~cascade_ray.models.packed.read_packed`).
     """
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
@@ -247,8 +248,3 @@ def load_safetensors(path: str | Path) -> NumpyState:
         return load_file(str(path))
     except SafetensorError as exc:
         raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
-    except TypeError as exc:  # numpy has no bfloat16 or float8: safetensors' numpy reader says "not understood"
-        raise ValueError(
-            f"{path}: holds a dtype numpy cannot represent ({exc}); cascade-ray's own checkpoints and artifacts "
-            "store bf16 weights as float32, so this file was not written by cascade-ray"
-        ) from None
