@@ -15,6 +15,7 @@ installed Ray, so a Ray upgrade that moves one fails there first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -23,7 +24,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ class PrivateSymbol:
 _TRAIN_CALLBACKS = "ray.train.v2._internal.callbacks"
 _CHECKPOINT_MANAGER = "ray.train.v2._internal.execution.checkpoint.checkpoint_manager"
 _PG_CALLBACK = "ray.train.v2._internal.callbacks.placement_group_callback"
+_VARIANT_GENERATOR = "ray.tune.search.variant_generator"
 
 PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     # LeanTorchTrainer
@@ -101,6 +103,8 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError", "unreadable_run_errors"),
     # read_run_result
     PrivateSymbol(_CHECKPOINT_MANAGER, "logger", "read_run_result"),
+    # quiet_preset_warnings
+    PrivateSymbol(_VARIANT_GENERATOR, "logger", "quiet_preset_warnings"),
     # pin_deployment_version
     PrivateSymbol("ray.serve.deployment", "Deployment._version", "pin_deployment_version", True),
     PrivateSymbol("ray.serve._private.client", "ServeControllerClient.deploy_applications", "pin_deployment_version"),
@@ -532,11 +536,37 @@ def unreadable_run_errors() -> tuple[type[BaseException], ...]:
 
 
 RESUME_NOTICE = "A run snapshot was found in storage folder"  # how Ray 2.60.0's notice begins
+PRESET_WARNING = "Pre-set value `"  # how Ray 2.60.0's warning about a points_to_evaluate value begins
 
 
-class _DropResumeNotice(logging.Filter):
+class _DropRecords(logging.Filter):
+    def __init__(self, drop: Callable[[str], bool]) -> None:
+        super().__init__()
+        self.drop = drop
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(RESUME_NOTICE)
+        return not self.drop(record.getMessage())
+
+
+@contextlib.contextmanager
+def _dropped_from(module: str, drop: Callable[[str], bool], shim: str, lost: str) -> Iterator[None]:
+    """Records of Ray's `module` logger whose message `drop` accepts are dropped inside the block
+    (a filter on that logger, removed after it). Fallback when the logger moved: one warning,
+    nothing dropped."""
+    try:
+        ray_logger = _symbol(module, "logger")
+        if not isinstance(ray_logger, logging.Logger):
+            raise AttributeError(f"its logger is a {type(ray_logger).__name__}, not a logging.Logger")
+    except (ImportError, AttributeError) as exc:
+        _warn_once(shim, f"the logger of {module} is gone ({exc})", lost)
+        yield
+        return
+    dropper = _DropRecords(drop)
+    ray_logger.addFilter(dropper)
+    try:
+        yield
+    finally:
+        ray_logger.removeFilter(dropper)
 
 
 def read_run_result(path: str) -> ray.train.Result:
@@ -550,23 +580,34 @@ def read_run_result(path: str) -> ray.train.Result:
     manager's module logger for the call's duration; every other record passes). Fallback
     (moved): the notice is printed.
     """
-    try:
-        ray_logger = _symbol(_CHECKPOINT_MANAGER, "logger")
-        if not isinstance(ray_logger, logging.Logger):
-            raise AttributeError(f"its logger is a {type(ray_logger).__name__}, not a logging.Logger")
-    except (ImportError, AttributeError) as exc:
-        _warn_once(
-            "read_run_result",
-            f"Ray Train's checkpoint-manager logger is gone ({exc})",
-            "reading a finished run back prints Ray's 'A run snapshot was found' resume notice",
-        )
+    with _dropped_from(
+        _CHECKPOINT_MANAGER,
+        lambda message: message.startswith(RESUME_NOTICE),
+        "read_run_result",
+        "reading a finished run back prints Ray's 'A run snapshot was found' resume notice",
+    ):
         return ray.train.Result.from_path(path)
-    drop = _DropResumeNotice()
-    ray_logger.addFilter(drop)
-    try:
-        return ray.train.Result.from_path(path)
-    finally:
-        ray_logger.removeFilter(drop)
+
+
+def quiet_preset_warnings(keys: Iterable[str]) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, Tune's warnings that a pre-set value of one of `keys` lies outside its domain are dropped.
+
+    A random sweep's first trial runs the stage's configured values (``evaluate_current``), passed to
+    Tune's ``BasicVariantGenerator`` as ``points_to_evaluate``; Ray 2.60.0's variant generator logs a
+    WARNING, "Pre-set value `0.0` is not within valid values of parameter `solver.weight_decay`", for
+    each such value outside the space, every time it generates the trials. cascade-ray runs that
+    value on purpose (the sweep's baseline) and logs its own note saying so and how to turn it off
+    (:func:`cascade_ray.tune.sweep.reference_note`). Buys: Tune's warning, which reads like a
+    mistake, is dropped for `keys` only (a filter on the variant generator's module logger for the
+    block's duration). Fallback (moved): Tune's warning is printed after cascade-ray's note.
+    """
+    wanted = tuple(f"parameter `{key}`" for key in keys)
+    return _dropped_from(
+        _VARIANT_GENERATOR,
+        lambda message: message.startswith(PRESET_WARNING) and any(w in message for w in wanted),
+        "quiet_preset_warnings",
+        "Tune's 'Pre-set value ... is not within valid values' warning is printed beside cascade-ray's note",
+    )
 
 
 def missing_private_symbols(symbols: Iterable[PrivateSymbol] = PRIVATE_SYMBOLS) -> list[tuple[PrivateSymbol, str]]:

@@ -32,12 +32,21 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.features import cache_decision
 from cascade_ray.pipeline.fit import fit_stage
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
+from cascade_ray.ray_compat import quiet_preset_warnings
 from cascade_ray.stage.batched import batched_train_loop_per_worker
 from cascade_ray.stage.batched_resume import LATEST, RESUME_DIR, ResumePoint, read_resume
 from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
-from cascade_ray.tune.space import TuneSpace, current_values
-from cascade_ray.tune.sweep import STARTUP_FILE, param_space, search_algorithm, trial_config
+from cascade_ray.tune.space import TuneSpace
+from cascade_ray.tune.sweep import (
+    STARTUP_FILE,
+    outside_space,
+    param_space,
+    reference_note,
+    reference_values,
+    search_algorithm,
+    trial_config,
+)
 
 # what each replica sets up on its own (optimizer, lr plan, loss; its initialization and dropout stream)
 PER_REPLICA = ("solver.", "loss.", "seed")
@@ -122,12 +131,15 @@ def check_batchable(cfg: PipelineConfig, space: TuneSpace, space_file: str, conf
 
 def sample_values(cfg: PipelineConfig, space: TuneSpace) -> list[dict[str, Any]]:
     """The trials' sampled values, in trial order, from the plain sweep's own search algorithm."""
-    current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
+    current = reference_values(cfg, space)
     generator, _ = search_algorithm(space, current, 0, "", seed=cfg.seed)  # 0: no concurrency limit
     values = []
     # Tune's trials need an experiment storage (it writes a marker file there): a throwaway one,
-    # not Tune's default ~/ray_results
-    with tempfile.TemporaryDirectory(prefix="cascade-batched-") as tmp:
+    # not Tune's default ~/ray_results. The caller logs reference_note for values outside the space.
+    with (
+        tempfile.TemporaryDirectory(prefix="cascade-batched-") as tmp,
+        quiet_preset_warnings(outside_space(space, current)),
+    ):
         spec = {"run": _not_run, "config": param_space(space), "num_samples": space.num_samples, "storage_path": tmp}
         generator.add_configurations({"batched": spec})
         while (trial := generator.next_trial()) is not None:
@@ -149,12 +161,18 @@ class BatchedSweepRunner:
 
     def __call__(self, session: StageSession, index: int, upstream: Handoff | None) -> StageOutcome:
         started = time.perf_counter()
-        outcome = batched_sweep(session, index, self.space, upstream, resume=self.resume)
+        outcome = batched_sweep(session, index, self.space, upstream, space_file=self.space_file, resume=self.resume)
         return finish_sweep(session, index, upstream, outcome, self.space.metric, started)
 
 
 def batched_sweep(
-    session: StageSession, index: int, space: TuneSpace, upstream: Handoff | None, *, resume: bool = False
+    session: StageSession,
+    index: int,
+    space: TuneSpace,
+    upstream: Handoff | None,
+    *,
+    space_file: str,
+    resume: bool = False,
 ) -> SweepOutcome:
     """Every sampled config of stage `index` trained in one TorchTrainer job; the outputs a plain sweep writes.
 
@@ -175,6 +193,10 @@ def batched_sweep(
                 )
             ]
         )
+    reference = reference_values(session.cfg, space)
+    outside = outside_space(space, reference)
+    if reference is not None and outside:
+        session.log(reference_note(space, space_file, reference, outside))
     values = sample_values(session.cfg, space)
     configs = [trial_config(session.cfg, space.stage, v) for v in values]
     replicas = [c.model_dump(mode="json") for c in configs]

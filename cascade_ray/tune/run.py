@@ -21,11 +21,11 @@ from cascade_ray.errors import CascadeError
 from cascade_ray.logs import print_guard, set_print_guard
 from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
-from cascade_ray.ray_compat import read_run_result
+from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
 from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.state import write_state
-from cascade_ray.tune.sweep import build_tuner, trial_config
+from cascade_ray.tune.sweep import build_tuner, outside_space, reference_note, reference_values, trial_config
 
 CONFIG_PREFIX = "config/"
 
@@ -104,9 +104,14 @@ def sweep_stage(
         tracking=session.tracking,
         trust_state=trust_state,
     )
+    reference = reference_values(session.cfg, space)
+    outside = outside_space(space, reference)
+    if reference is not None and outside:
+        session.log(reference_note(space, space_file, reference, outside))
     guard = print_guard()
     try:
-        grid = tuner.fit()
+        with quiet_preset_warnings(outside):  # Tune generates the trials inside fit()
+            grid = tuner.fit()
     finally:  # a sweep that raised leaves no trial block's print guard behind (SweepProgress on a TTY)
         set_print_guard(guard)
     write_state(exp_dir)  # Ray's final state is synced by now: what a later --resume verifies

@@ -52,6 +52,37 @@ def param_space(space: TuneSpace) -> dict[str, Any]:
     return {key: make[d.kind()](d.values()) for key, d in space.space.items()}
 
 
+def reference_values(cfg: PipelineConfig, space: TuneSpace) -> dict[str, Any] | None:
+    """The first trial's values: the stage's configured ones (random search with ``evaluate_current``)."""
+    return current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
+
+
+def outside_space(space: TuneSpace, reference: dict[str, Any] | None) -> dict[str, str]:
+    """Key -> its distribution, for each reference value the space cannot sample (Tune's own
+    ``Domain.is_valid``, the test behind its "Pre-set value ... not within valid values" warning)."""
+    outside: dict[str, str] = {}
+    for key, domain in param_space(space).items() if reference is not None else ():
+        value = reference[key]
+        try:
+            valid = value in domain["grid_search"] if isinstance(domain, dict) else domain.is_valid(value)
+        except TypeError:  # e.g. a string against a numeric range
+            valid = False
+        if not valid:
+            dist = space.space[key]
+            outside[key] = f"{dist.kind()} {dist.values()}"
+    return outside
+
+
+def reference_note(space: TuneSpace, space_file: str, reference: dict[str, Any], outside: dict[str, str]) -> str:
+    """What cascade-ray logs when the first trial's configured values lie outside the space."""
+    values = "; ".join(f"{key}={reference[key]!r} (space: {dist})" for key, dist in outside.items())
+    return (
+        f"sweep of {space.stage!r}: the first trial runs the stage's configured {values}, outside the space, "
+        f"as the baseline the sweep must beat (evaluate_current: true); set evaluate_current: false in "
+        f"{space_file} to sample every trial from the space"
+    )
+
+
 def trial_config(cfg: PipelineConfig, stage: str, values: dict[str, Any]) -> PipelineConfig:
     """`cfg` with one trial's sampled values, re-validated like a YAML file."""
     raw = cfg.model_dump(mode="json")
@@ -240,7 +271,7 @@ def build_tuner(
         return tune.Tuner.restore(
             full_uri(exp_dir / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True
         )
-    current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
+    current = reference_values(cfg, space)
     scheduler = None
     if space.scheduler.type == "asha":
         scheduler = baseline_asha(

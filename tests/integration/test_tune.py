@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import pickle
 import shutil
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from fakes import LogRecords, shim_logger
 from paths import CONFIGS, ROOT
 
 from cascade_ray.api import RunOptions, run_pipeline
@@ -32,6 +34,7 @@ scheduler: {type: fifo}
 space:
   solver.lr: {loguniform: [1.0e-3, 3.0e-2]}
   loss.scale: {choice: [0.5, 1.0]}
+  solver.weight_decay: {loguniform: [1.0e-5, 1.0e-3]}  # the stage's own 0.0 lies outside: the first trial runs it
 """
 
 
@@ -43,13 +46,38 @@ def sweep(ray_session, tmp_path_factory):
     cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp}", "stages.encoder.scaling.num_workers=1"])
     started = time.perf_counter()
     out = io.StringIO()  # the driver's stdout (no TTY): the sweep's progress lines
-    with contextlib.redirect_stdout(out):
-        summary = run_pipeline(
-            cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lambda _: None
-        )
+    lines: list[str] = []
+    tune_logger = shim_logger("quiet_preset_warnings")  # Tune's variant generator, which warns about pre-set values
+    tune_records, level = LogRecords(), tune_logger.level
+    tune_logger.addHandler(tune_records)
+    tune_logger.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(out):
+            summary = run_pipeline(
+                cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lines.append
+            )
+    finally:
+        tune_logger.removeHandler(tune_records)
+        tune_logger.setLevel(level)
     summary["test_elapsed_s"] = time.perf_counter() - started
     (tmp / "driver_stdout.txt").write_text(out.getvalue())
+    (tmp / "driver_log.json").write_text(json.dumps({"log": lines, "tune": tune_records.messages}))
     return cfg, summary, tmp
+
+
+def test_a_configured_value_outside_the_space_is_explained_once_instead_of_tunes_warning(sweep):
+    """weight_decay 0.0 (the debug encoder's) is outside the space's log-uniform range: the first trial
+    runs it as the baseline, cascade-ray says so once naming the key to turn it off, and Tune's own
+    "Pre-set value ... not within valid values" warning is not printed."""
+    _, summary, tmp = sweep
+    logged = json.loads((tmp / "driver_log.json").read_text())
+    notes = [line for line in logged["log"] if "outside the space" in line]
+    assert len(notes) == 1, logged["log"]
+    assert "solver.weight_decay=0.0 (space: loguniform [1e-05, 0.001])" in notes[0]
+    assert "set evaluate_current: false in" in notes[0] and "encoder.yaml" in notes[0]
+    assert not [m for m in logged["tune"] if m.startswith("Pre-set value")], logged["tune"]
+    table = pq.read_table(summary["stages"][1]["sweep"]["results"]).to_pylist()
+    assert any(row["config/solver.weight_decay"] == 0.0 for row in table)  # the baseline trial ran
 
 
 def test_a_tuned_stage_records_the_wall_time_of_its_sweep(sweep):

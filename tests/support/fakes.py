@@ -41,8 +41,13 @@ class LogRecords(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def checkpoint_manager_logger() -> logging.Logger:
-    """Ray Train's checkpoint-manager logger, which ``ray_compat.read_run_result`` filters."""
+def shim_logger(shim: str) -> logging.Logger:
+    """The Ray module logger a ``ray_compat`` shim filters (its PrivateSymbol's ``logger``)."""
     from cascade_ray import ray_compat
 
-    return ray_compat.resolve(next(s for s in ray_compat.PRIVATE_SYMBOLS if s.shim == "read_run_result"))
+    return ray_compat.resolve(next(s for s in ray_compat.PRIVATE_SYMBOLS if s.shim == shim and s.attr == "logger"))
+
+
+def checkpoint_manager_logger() -> logging.Logger:
+    """Ray Train's checkpoint-manager logger, which ``ray_compat.read_run_result`` filters."""
+    return shim_logger("read_run_result")

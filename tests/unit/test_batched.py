@@ -3,7 +3,9 @@ report carries the best replica's best epoch."""
 
 from __future__ import annotations
 
+import logging
 import shlex
+import tempfile
 
 import numpy as np
 import pytest
@@ -264,6 +266,61 @@ def test_the_configs_are_the_plain_sweeps_trials(inputs):
         {"stage": "classifier", "num_samples": 2, "search": "grid", "space": {"loss.scale": {"grid": [0.5, 1.0]}}}
     )
     assert [v["loss.scale"] for v in sample_values(cfg, grid)] == [0.5, 1.0, 0.5, 1.0]
+
+
+def test_a_configured_value_outside_the_space_is_explained_once_and_tunes_warning_dropped(inputs):
+    """The shipped classifier space samples weight decay log-uniformly over [1e-5, 1e-2]; a stage
+    configured with none (0.0) still runs 0.0 first, as the baseline. Tune's variant generator,
+    run for real here, warns about it; cascade-ray's note replaces that warning."""
+    from fakes import LogRecords, shim_logger
+
+    from cascade_ray.tune.batched import sample_values
+    from cascade_ray.tune.space import TuneSpace
+    from cascade_ray.tune.sweep import outside_space, reference_note, reference_values
+
+    cfg = inputs[0]
+    space = TuneSpace.model_validate(
+        {
+            "stage": "classifier",
+            "num_samples": 3,
+            "space": {"solver.lr": {"loguniform": [1e-4, 1e-2]}, "solver.weight_decay": {"loguniform": [1e-5, 1e-2]}},
+        }
+    )
+    assert cfg.stages[2].solver.weight_decay == 0.0
+    reference = reference_values(cfg, space)
+    outside = outside_space(space, reference)
+    assert outside == {"solver.weight_decay": "loguniform [1e-05, 0.01]"}  # lr 1e-3 lies inside
+    note = reference_note(space, "spaces/classifier.yaml", reference, outside)
+    assert "solver.weight_decay=0.0 (space: loguniform [1e-05, 0.01])" in note
+    assert "set evaluate_current: false in spaces/classifier.yaml" in note
+    ray_logger = shim_logger("quiet_preset_warnings")
+    records = LogRecords()
+    ray_logger.addHandler(records)
+    level = ray_logger.level
+    ray_logger.setLevel(logging.WARNING)  # whatever an earlier test left on Ray's parent loggers
+    try:
+        values = sample_values(cfg, space)
+        assert values[0] == {"solver.lr": cfg.stages[2].solver.lr, "solver.weight_decay": 0.0}
+        assert not [m for m in records.messages if m.startswith("Pre-set value")], records.messages
+        assert ray_logger.filters == []
+        # the control: Tune's own generator, without the filter, does warn about this point
+        from cascade_ray.tune.sweep import param_space, search_algorithm
+
+        generator, _ = search_algorithm(space, reference, 0, "", seed=cfg.seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {"run": lambda config: None, "config": param_space(space), "num_samples": 3, "storage_path": tmp}
+            generator.add_configurations({"control": spec})
+            while generator.next_trial() is not None:
+                pass
+        assert [m for m in records.messages if m.startswith("Pre-set value")], "Tune no longer warns here"
+    finally:
+        ray_logger.removeHandler(records)
+        ray_logger.setLevel(level)
+    assert outside_space(space, None) == {}
+    inside = TuneSpace.model_validate({"stage": "classifier", "space": {"loss.scale": {"choice": [1.0, 2.0]}}})
+    assert outside_space(inside, reference_values(cfg, inside)) == {}
+    grid = TuneSpace.model_validate({"stage": "classifier", "space": {"loss.scale": {"grid": [0.5, 2.0]}}})
+    assert outside_space(grid, {"loss.scale": 1.0}) == {"loss.scale": "grid [0.5, 2.0]"}
 
 
 def test_the_refusal_names_a_shipped_config_as_the_user_did(tmp_path, monkeypatch, capsys):

@@ -13,7 +13,7 @@ import threading
 import pytest
 import ray
 import ray.train
-from fakes import LogRecords, checkpoint_manager_logger
+from fakes import LogRecords, checkpoint_manager_logger, shim_logger
 from paths import ROOT
 from ray.train.torch import TorchTrainer
 
@@ -161,7 +161,13 @@ MODULE_GONE = [
     ("worker_failure_cause", lambda: ray_compat.worker_failure_cause(RuntimeError("x")), None),
     ("unreadable_run_errors", ray_compat.unreadable_run_errors, (RuntimeError,)),
 ]
-SEPARATELY_TESTED = {"LeanTorchTrainer", "quick_stop_cleaner_class", "uncount_asha_stop", "read_run_result"}
+SEPARATELY_TESTED = {
+    "LeanTorchTrainer",
+    "quick_stop_cleaner_class",
+    "uncount_asha_stop",
+    "read_run_result",
+    "quiet_preset_warnings",
+}
 
 
 @pytest.mark.parametrize(("shim", "call", "fallback"), MODULE_GONE, ids=[c[0] for c in MODULE_GONE])
@@ -205,6 +211,41 @@ def test_without_the_checkpoint_managers_logger_a_run_is_read_as_ray_reads_it(mo
             with pytest.raises(RuntimeError, match="doesn't exist"):  # Ray's own error for a missing run
                 ray_compat.read_run_result(str(tmp_path / "missing"))
     _assert_one_warning(caplog, "read_run_result")
+
+
+def _preset(key: str) -> str:  # Ray 2.60.0's wording (ray/tune/search/variant_generator.py)
+    return f"Pre-set value `0.0` is not within valid values of parameter `{key}`: (1e-05, 0.01)"
+
+
+def test_tunes_preset_warning_is_dropped_for_the_named_keys_only_inside_the_block(monkeypatch):
+    ray_logger = shim_logger("quiet_preset_warnings")
+    records = LogRecords()
+    ray_logger.addHandler(records)
+    monkeypatch.setattr(ray_logger, "level", logging.INFO)
+    try:
+        with ray_compat.quiet_preset_warnings(["solver.weight_decay"]):
+            ray_logger.warning(_preset("solver.weight_decay"))  # explained by cascade-ray's note: dropped
+            ray_logger.warning(_preset("weight_decay"))  # another parameter: kept
+            ray_logger.warning(_preset("solver.lr"))
+            ray_logger.info("another record")
+        assert records.messages == [_preset("weight_decay"), _preset("solver.lr"), "another record"]
+        assert ray_logger.filters == []
+        ray_logger.warning(_preset("solver.weight_decay"))  # outside the block: Tune's own warning again
+        assert records.messages[-1] == _preset("solver.weight_decay")
+        with ray_compat.quiet_preset_warnings([]):  # nothing explained: nothing dropped
+            ray_logger.warning(_preset("solver.weight_decay"))
+        assert len(records.messages) == 5
+    finally:
+        ray_logger.removeHandler(records)
+
+
+def test_without_the_variant_generators_logger_tunes_warning_stays(monkeypatch, caplog):
+    _break_module(monkeypatch, "quiet_preset_warnings")
+    with caplog.at_level(logging.WARNING, logger="cascade_ray.ray_compat"):
+        for _ in range(2):
+            with ray_compat.quiet_preset_warnings(["solver.weight_decay"]):
+                pass
+    _assert_one_warning(caplog, "quiet_preset_warnings")
 
 
 def test_without_rays_callback_classes_a_stage_fit_keeps_rays_callbacks(monkeypatch, caplog):
