@@ -40,9 +40,9 @@ from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import (
     STARTUP_FILE,
+    explain_reference,
     outside_space,
     param_space,
-    reference_note,
     reference_values,
     search_algorithm,
     trial_config,
@@ -193,10 +193,7 @@ def batched_sweep(
                 )
             ]
         )
-    reference = reference_values(session.cfg, space)
-    outside = outside_space(space, reference)
-    if reference is not None and outside:
-        session.log(reference_note(space, space_file, reference, outside))
+    explain_reference(session.cfg, space, space_file, session.log)
     values = sample_values(session.cfg, space)
     configs = [trial_config(session.cfg, space.stage, v) for v in values]
     replicas = [c.model_dump(mode="json") for c in configs]

@@ -25,7 +25,7 @@ from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
 from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.state import write_state
-from cascade_ray.tune.sweep import build_tuner, outside_space, reference_note, reference_values, trial_config
+from cascade_ray.tune.sweep import build_tuner, explain_reference, trial_config
 
 CONFIG_PREFIX = "config/"
 
@@ -104,10 +104,7 @@ def sweep_stage(
         tracking=session.tracking,
         trust_state=trust_state,
     )
-    reference = reference_values(session.cfg, space)
-    outside = outside_space(space, reference)
-    if reference is not None and outside:
-        session.log(reference_note(space, space_file, reference, outside))
+    outside = explain_reference(session.cfg, space, space_file, session.log)
     guard = print_guard()
     try:
         with quiet_preset_warnings(outside):  # Tune generates the trials inside fit()

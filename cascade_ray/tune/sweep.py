@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -81,6 +82,18 @@ def reference_note(space: TuneSpace, space_file: str, reference: dict[str, Any],
         f"as the baseline the sweep must beat (evaluate_current: true); set evaluate_current: false in "
         f"{space_file} to sample every trial from the space"
     )
+
+
+def explain_reference(
+    cfg: PipelineConfig, space: TuneSpace, space_file: str, log: Callable[[str], None]
+) -> dict[str, str]:
+    """Log :func:`reference_note` when the first trial's values lie outside the space; the
+    :func:`outside_space` keys (for :func:`cascade_ray.ray_compat.quiet_preset_warnings`)."""
+    reference = reference_values(cfg, space)
+    outside = outside_space(space, reference)
+    if reference is not None and outside:
+        log(reference_note(space, space_file, reference, outside))
+    return outside
 
 
 def trial_config(cfg: PipelineConfig, stage: str, values: dict[str, Any]) -> PipelineConfig:
