@@ -135,7 +135,7 @@ def sample_values(cfg: PipelineConfig, space: TuneSpace) -> list[dict[str, Any]]
     generator, _ = search_algorithm(space, current, 0, "", seed=cfg.seed)  # 0: no concurrency limit
     values = []
     # Tune's trials need an experiment storage (it writes a marker file there): a throwaway one,
-    # not Tune's default ~/ray_results. The caller logs reference_note for values outside the space.
+    # not Tune's default ~/ray_results. The caller explains values outside the space (explain_reference).
     with (
         tempfile.TemporaryDirectory(prefix="cascade-batched-") as tmp,
         quiet_preset_warnings(outside_space(space, current)),
