@@ -35,8 +35,8 @@ Once, untimed, a consumer of each path returns a sha256 of every tensor it holds
 the producer's. Each N runs ``--repeats`` times, the paths rotating which goes first; medians.
 
 The producer's read of the stage's file is timed in the driver's process, alternating, medians
-of 7: ``load_safetensors`` (one block) against ``safetensors.numpy.load_file``. The consumer's own part of the shared path is also timed in the driver's process, one thread:
-``share_numpy_state`` of the read-only arrays into a freshly built module, against torch's
+of 7: ``load_safetensors`` (one block) against ``safetensors.numpy.load_file``. The consumer's
+own part of the shared path is also timed in the driver's process, one thread: ``share_numpy_state`` of the read-only arrays into a freshly built module, against torch's
 ``load_state_dict(assign=True)`` of the same views (which makes the same views, through
 ``Module.__setattr__`` and the module's state-dict machinery), alternating, medians of 31.
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from fakes import LogRecords, shim_logger
+from fakes import records_of, shim_logger
 from paths import CONFIGS, ROOT
 
 from cascade_ray.api import RunOptions, run_pipeline
@@ -47,18 +47,14 @@ def sweep(ray_session, tmp_path_factory):
     started = time.perf_counter()
     out = io.StringIO()  # the driver's stdout (no TTY): the sweep's progress lines
     lines: list[str] = []
-    tune_logger = shim_logger("quiet_preset_warnings")  # Tune's variant generator, which warns about pre-set values
-    tune_records, level = LogRecords(), tune_logger.level
-    tune_logger.addHandler(tune_records)
-    tune_logger.setLevel(logging.WARNING)
-    try:
-        with contextlib.redirect_stdout(out):
-            summary = run_pipeline(
-                cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lines.append
-            )
-    finally:
-        tune_logger.removeHandler(tune_records)
-        tune_logger.setLevel(level)
+    # Tune's variant generator, which warns about pre-set values
+    with (
+        records_of(shim_logger("quiet_preset_warnings"), logging.WARNING) as tune_records,
+        contextlib.redirect_stdout(out),
+    ):
+        summary = run_pipeline(
+            cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lines.append
+        )
     summary["test_elapsed_s"] = time.perf_counter() - started
     (tmp / "driver_stdout.txt").write_text(out.getvalue())
     (tmp / "driver_log.json").write_text(json.dumps({"log": lines, "tune": tune_records.messages}))
@@ -123,30 +119,21 @@ def test_the_driver_shows_each_trials_progress_in_plain_lines(sweep):
 def test_reading_the_best_trial_back_prints_no_resume_advice(sweep):
     """Ray's checkpoint manager tells whoever reads a run folder to delete it if they meant a new
     job; the sweep only reads its best trial back, so cascade-ray's read drops that notice."""
-    import logging
 
     import ray
-    from fakes import LogRecords, checkpoint_manager_logger
+    from fakes import checkpoint_manager_logger
 
     from cascade_ray.ray_compat import RESUME_NOTICE, read_run_result
 
     _, _, tmp = sweep
     runs = sorted(p.parent for p in tmp.rglob("checkpoint_manager_snapshot.json") if "/trials/" in str(p))
     assert runs, "the sweep's trials left Ray run folders"
-    ray_logger = checkpoint_manager_logger()
-    handler = LogRecords()
-    seen = handler.messages
-    ray_logger.addHandler(handler)
-    level = ray_logger.level
-    ray_logger.setLevel(logging.INFO)
-    try:
+    with records_of(checkpoint_manager_logger()) as records:
+        seen = records.messages
         assert read_run_result(str(runs[0])).checkpoint is not None
         assert not [m for m in seen if m.startswith(RESUME_NOTICE)], seen
         ray.train.Result.from_path(str(runs[0]))  # Ray's plain read says it: what the test guards against
         assert [m for m in seen if m.startswith(RESUME_NOTICE)], "Ray no longer logs its notice here"
-    finally:
-        ray_logger.setLevel(level)
-        ray_logger.removeHandler(handler)
 
 
 def test_every_trial_read_the_same_upstream_object(sweep):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cascade_ray.models.weights import to_numpy_state
@@ -39,6 +41,20 @@ class LogRecords(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def records_of(logger: logging.Logger, level: int = logging.INFO) -> Iterator[LogRecords]:
+    """The messages `logger` emits inside the block, at `level` and up; its level and handlers
+    are as before afterwards (``setLevel``, which also clears logging's per-level cache)."""
+    records, before = LogRecords(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(level)  # whatever an earlier test or Ray left on its parent loggers
+    try:
+        yield records
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(before)
 
 
 def shim_logger(shim: str) -> logging.Logger:

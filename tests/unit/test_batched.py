@@ -272,7 +272,7 @@ def test_a_configured_value_outside_the_space_is_explained_once_and_tunes_warnin
     """The shipped classifier space samples weight decay log-uniformly over [1e-5, 1e-2]; a stage
     configured with none (0.0) still runs 0.0 first, as the baseline. Tune's variant generator,
     run for real here, warns about it; cascade-ray's note replaces that warning."""
-    from fakes import LogRecords, shim_logger
+    from fakes import records_of, shim_logger
 
     from cascade_ray.tune.batched import sample_values
     from cascade_ray.tune.space import TuneSpace
@@ -294,11 +294,7 @@ def test_a_configured_value_outside_the_space_is_explained_once_and_tunes_warnin
     assert "solver.weight_decay=0.0 (space: loguniform [1e-05, 0.01])" in note
     assert "set evaluate_current: false in spaces/classifier.yaml" in note
     ray_logger = shim_logger("quiet_preset_warnings")
-    records = LogRecords()
-    ray_logger.addHandler(records)
-    level = ray_logger.level
-    ray_logger.setLevel(logging.WARNING)  # whatever an earlier test left on Ray's parent loggers
-    try:
+    with records_of(ray_logger, logging.WARNING) as records:
         values = sample_values(cfg, space)
         assert values[0] == {"solver.lr": cfg.stages[2].solver.lr, "solver.weight_decay": 0.0}
         assert not [m for m in records.messages if m.startswith("Pre-set value")], records.messages
@@ -313,9 +309,6 @@ def test_a_configured_value_outside_the_space_is_explained_once_and_tunes_warnin
             while generator.next_trial() is not None:
                 pass
         assert [m for m in records.messages if m.startswith("Pre-set value")], "Tune no longer warns here"
-    finally:
-        ray_logger.removeHandler(records)
-        ray_logger.setLevel(level)
     assert outside_space(space, None) == {}
     inside = TuneSpace.model_validate({"stage": "classifier", "space": {"loss.scale": {"choice": [1.0, 2.0]}}})
     assert outside_space(inside, reference_values(cfg, inside)) == {}

@@ -13,7 +13,7 @@ import threading
 import pytest
 import ray
 import ray.train
-from fakes import LogRecords, checkpoint_manager_logger, shim_logger
+from fakes import checkpoint_manager_logger, records_of, shim_logger
 from paths import ROOT
 from ray.train.torch import TorchTrainer
 
@@ -184,9 +184,6 @@ def test_reading_a_run_back_drops_only_rays_resume_notice(monkeypatch):
     """Ray's checkpoint manager logs its resume notice while from_path reads the snapshot: dropped
     for that call; its other records pass, and the filter is gone afterwards."""
     ray_logger = checkpoint_manager_logger()
-    records = LogRecords()
-    ray_logger.addHandler(records)
-    monkeypatch.setattr(ray_logger, "level", logging.INFO)
 
     def from_path(path):
         ray_logger.info(ray_compat.RESUME_NOTICE + f" at: '{path}'\nIf you meant to start a brand new training job ...")
@@ -194,14 +191,12 @@ def test_reading_a_run_back_drops_only_rays_resume_notice(monkeypatch):
         return "result of " + path
 
     monkeypatch.setattr(ray.train.Result, "from_path", from_path)
-    try:
+    with records_of(ray_logger) as records:
         assert ray_compat.read_run_result("/runs/a") == "result of /runs/a"
         assert records.messages == ["another record"]
         assert ray_logger.filters == []
         ray_logger.info(ray_compat.RESUME_NOTICE + " at: '/runs/b'")  # a real resume (a fit) still says so
         assert len(records.messages) == 2
-    finally:
-        ray_logger.removeHandler(records)
 
 
 def test_without_the_checkpoint_managers_logger_a_run_is_read_as_ray_reads_it(monkeypatch, caplog, tmp_path):
@@ -217,12 +212,9 @@ def _preset(key: str) -> str:  # Ray 2.60.0's wording (ray/tune/search/variant_g
     return f"Pre-set value `0.0` is not within valid values of parameter `{key}`: (1e-05, 0.01)"
 
 
-def test_tunes_preset_warning_is_dropped_for_the_named_keys_only_inside_the_block(monkeypatch):
+def test_tunes_preset_warning_is_dropped_for_the_named_keys_only_inside_the_block():
     ray_logger = shim_logger("quiet_preset_warnings")
-    records = LogRecords()
-    ray_logger.addHandler(records)
-    monkeypatch.setattr(ray_logger, "level", logging.INFO)
-    try:
+    with records_of(ray_logger) as records:
         with ray_compat.quiet_preset_warnings(["solver.weight_decay"]):
             ray_logger.warning(_preset("solver.weight_decay"))  # explained by cascade-ray's note: dropped
             ray_logger.warning(_preset("weight_decay"))  # another parameter: kept
@@ -235,8 +227,6 @@ def test_tunes_preset_warning_is_dropped_for_the_named_keys_only_inside_the_bloc
         with ray_compat.quiet_preset_warnings([]):  # nothing explained: nothing dropped
             ray_logger.warning(_preset("solver.weight_decay"))
         assert len(records.messages) == 5
-    finally:
-        ray_logger.removeHandler(records)
 
 
 def test_without_the_variant_generators_logger_tunes_warning_stays(monkeypatch, caplog):
