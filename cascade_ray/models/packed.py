@@ -23,8 +23,10 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -44,9 +46,17 @@ SAFETENSORS_NUMPY_DTYPES = {
     "BOOL": "?",
     "C64": "<c8",
 }
-_READ_CHUNK_BYTES = 64 << 20  # one readinto per chunk: a short read (a file shrinking under us) is seen early
+# one readinto per chunk: a short read (a file shrinking under us) is seen early, and with a
+# digest, each chunk is hashed on a second thread while the next one is read
+_READ_CHUNK_BYTES = 16 << 20
 
 Entry = tuple[str, str, tuple[int, ...], int]  # key, numpy dtype, shape, byte offset in the block
+
+
+class Digest(Protocol):
+    """A running hash (``hashlib.sha256()``)."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
 
 
 class PackedState(dict):
@@ -83,7 +93,7 @@ class PackedState(dict):
         return dict, (dict(self),)
 
 
-def read_packed(path: str | Path) -> PackedState | None:
+def read_packed(path: str | Path, digest: Digest | None = None) -> PackedState | None:
     """The safetensors file at `path` as a :class:`PackedState`, or None to read it otherwise.
 
     The header must describe tensors that tile the data section exactly (contiguous from 0,
@@ -92,6 +102,11 @@ def read_packed(path: str | Path) -> PackedState | None:
     own) decides, with its own errors. The caller has checked the framing
     (``weights.safetensors_header_problem``).
 
+    `digest`, when given, is fed every byte of the file, in order, as it is read (the data
+    section's chunks on a second thread, each while the next is read): the hash of exactly
+    the bytes the state was cut from, with no second read of the file. It is fed only when
+    a state is returned.
+
     Raises:
         ValueError: naming the file, when a tensor's dtype is one plain numpy lacks (bf16, float8),
             or when it ends before its header says (it shrank while read).
@@ -99,9 +114,11 @@ def read_packed(path: str | Path) -> PackedState | None:
     if sys.byteorder != "little":  # the views would be byte-swapped dtypes torch cannot take
         return None
     with open(path, "rb", buffering=0) as f:
-        length = int.from_bytes(f.read(8), "little")
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little")
+        raw = f.read(length)
         try:
-            header = json.loads(f.read(length))
+            header = json.loads(raw)
         except ValueError:
             return None
         size = os.fstat(f.fileno()).st_size - 8 - length
@@ -109,13 +126,29 @@ def read_packed(path: str | Path) -> PackedState | None:
         if index is None:
             return None
         block = np.empty(size, dtype=np.uint8)
-        view, done = memoryview(block), 0
-        while done < size:
-            got = f.readinto(view[done : done + _READ_CHUNK_BYTES])
-            if not got:
-                raise ValueError(f"{path}: ended after {done} of its {size} data bytes (changed while read?)")
-            done += got
+        view = memoryview(block)
+        if digest is None:
+            _read_into(f, view, path, lambda chunk: None)
+        else:
+            digest.update(prefix)
+            digest.update(raw)
+            with ThreadPoolExecutor(1, thread_name_prefix="cascade-read-hash") as hasher:  # runs chunks in order
+                hashed = []
+                _read_into(f, view, path, lambda chunk: hashed.append(hasher.submit(digest.update, chunk)))
+                for done in hashed:
+                    done.result()
     return PackedState(block, index)
+
+
+def _read_into(f: BinaryIO, view: memoryview, path: str | Path, each: Callable[[memoryview], object]) -> None:
+    """Fill `view` from `f` in chunks, passing each filled chunk to `each`."""
+    done, size = 0, len(view)
+    while done < size:
+        got = f.readinto(view[done : done + _READ_CHUNK_BYTES])
+        if not got:
+            raise ValueError(f"{path}: ended after {done} of its {size} data bytes (changed while read?)")
+        each(view[done : done + got])
+        done += got
 
 
 def _layout(header: Any, size: int, path: str | Path) -> tuple[Entry, ...] | None:

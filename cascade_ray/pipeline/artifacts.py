@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from cascade_ray import __version__
 from cascade_ray.errors import ArtifactError
-from cascade_ray.models.weights import NumpyState, load_safetensors, save_safetensors, state_digests
+from cascade_ray.models.weights import NumpyState, load_safetensors_hashed, save_safetensors, state_digests
 from cascade_ray.pipeline.records import Manifest, ManifestFields, manifest_text, read_manifest, seal_manifest
 from cascade_ray.storage import StorageDir, UriPath, local_copy, not_regular_reason, parse_uri
 
@@ -60,12 +61,16 @@ def file_sha256(path: StorageDir) -> str:
 
 
 def _complete(fields: ManifestFields, weights: Path, state: NumpyState) -> Manifest:
+    with ThreadPoolExecutor(1, thread_name_prefix="cascade-file-hash") as pool:  # the file hashed while the tensors are
+        file_hash = pool.submit(file_sha256, weights)
+        digests = state_digests(state)
+        sha = file_hash.result()
     return seal_manifest(
         Manifest(
             **fields.model_dump(),
             cascade_ray_version=__version__,
-            weights_sha256=file_sha256(weights),
-            tensor_digests=state_digests(state),
+            weights_sha256=sha,
+            tensor_digests=digests,
             manifest_sha256="",
         )
     )
@@ -117,13 +122,18 @@ def read_artifact(directory: str | StorageDir) -> tuple[Artifact, NumpyState]:
             raise ArtifactError(f"artifact {path}: {name} {reason}; {retrain}")
     manifest = read_manifest(path / MANIFEST)  # ArtifactError naming the file and key when malformed
     weights = path / WEIGHTS
-    with local_copy(weights) as local:  # one download from remote storage, hashed and loaded
-        if file_sha256(local) != manifest.weights_sha256:
-            raise ArtifactError(f"artifact {path}: {WEIGHTS} does not match its sha256 in {MANIFEST}; {retrain}")
+    mismatch = f"artifact {path}: {WEIGHTS} does not match its sha256 in {MANIFEST}; {retrain}"
+    with local_copy(weights) as local:  # one download from remote storage, hashed as it is loaded
         try:
-            state = load_safetensors(local)
-        except ValueError as exc:
-            raise ArtifactError(f"artifact {path}: {WEIGHTS}: {exc}; {retrain}") from None
+            state, sha = load_safetensors_hashed(local)
+        except ValueError as exc:  # a file changed since it was written is that, whatever broke in it
+            raise ArtifactError(
+                mismatch
+                if file_sha256(local) != manifest.weights_sha256
+                else f"artifact {path}: {WEIGHTS}: {exc}; {retrain}"
+            ) from None
+    if sha != manifest.weights_sha256:
+        raise ArtifactError(mismatch)
     if state_digests(state) != manifest.tensor_digests:
         raise ArtifactError(f"artifact {path}: tensor digests differ from {MANIFEST}; {retrain}")
     bad = non_finite(state)

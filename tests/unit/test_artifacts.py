@@ -62,3 +62,21 @@ def test_frozen_changes_sees_a_single_bit():
     b = {k: v.copy() for k, v in a.items()}
     b["blocks.a.w"].view(np.uint32)[0, 0] ^= 1
     assert frozen_changes(a, b) == ["blocks.a.w"]
+
+
+@pytest.mark.parametrize("damage", ["header-length", "header-json", "data-bit"])
+def test_a_weights_file_changed_since_written_is_named_as_changed_whatever_broke_in_it(tmp_path, damage):
+    """One read hashes and parses the file; when the parse fails too, the sha256 mismatch is what
+    is reported (the file changed), not the parser's complaint about what the change broke."""
+    write_artifact(tmp_path / "stage", _state(), manifest_fields("a"))
+    weights = tmp_path / "stage" / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    if damage == "header-length":
+        data[:8] = (2**40).to_bytes(8, "little")
+    elif damage == "header-json":
+        data[8] = ord("[")
+    else:
+        data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=f"{WEIGHTS} does not match its sha256 in {MANIFEST}; delete the folder"):
+        read_artifact(tmp_path / "stage")
