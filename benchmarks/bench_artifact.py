@@ -1,6 +1,7 @@
 """Writing and verifying a stage's artifact: one hashed read and threaded digests vs two passes.
 
     flock /tmp/cascade-cpu.lock .venv/bin/python benchmarks/bench_artifact.py [--repeats 7] [--width 2]
+    flock /tmp/cascade-cpu.lock .venv/bin/python benchmarks/bench_artifact.py --storage s3 [--repeats 3]
 
 The state is bench_handoff.py's wide-ResNet-50-shaped state dict (320 tensors, ~409 MB at
 ``--width 2``: the P3 stage), written once as an artifact to a temporary folder on local disk.
@@ -19,6 +20,14 @@ and the one-read path saves a whole read of the file.
 - **write, serial** (the baseline): the same writes with ``file_sha256`` then the copying serial
   digests.
 
+With ``--storage s3`` the artifact lives on moto's S3 server on loopback (started by the script,
+stopped by its PID; ``tests/support/s3.py``) and only reads are timed: now the object is read
+straight into the block with ``readinto``, hashed as it arrives, with no local copy; the
+baseline downloads it to a temporary file first (``storage.local_copy``: the whole object in
+memory, written to disk), then reads it in two passes as above. moto is a Python server, so
+its throughput, not S3's, bounds both paths: the ratio shows what the copy and the second pass
+cost next to one loopback download.
+
 Both paths check the same things and must agree: the baseline's digests and file hash are
 compared with the manifest the new path wrote, once, before timing. Alternating, medians.
 Prints ``figure: value (ratio vs baseline)``.
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shutil
 import statistics
 import sys
@@ -53,14 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--width", type=int, default=2, help="bench_handoff's width multiplier (2: ~409 MB)")
+    parser.add_argument("--storage", choices=("local", "s3"), default="local")
     args = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="bench-artifact-"))
+    server = None
+    if args.storage == "s3":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+        from s3 import start_s3
 
+        server = start_s3(root)
+        os.environ.update(server.env)
+    try:
+        return _run(args, root, server)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, root: Path, server) -> int:
     import torch
 
     from cascade_ray.hardware import hardware_line
     from cascade_ray.models.weights import load_safetensors, save_safetensors
     from cascade_ray.pipeline.artifacts import MANIFEST, WEIGHTS, file_sha256, non_finite, read_artifact, write_artifact
     from cascade_ray.pipeline.records import read_manifest
+    from cascade_ray.storage import as_storage, local_copy
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from bench_handoff import make_state, resnet50_shapes
@@ -74,52 +102,55 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} threads; {args.repeats} alternating rounds, medians",
         flush=True,
     )
-    root = Path(tempfile.mkdtemp(prefix="bench-artifact-"))
-    try:
-        fields = manifest_fields("a")
-        stage = root / "stage"
-        written = write_artifact(stage, state, fields).manifest
+    fields = manifest_fields("a")
+    stage = as_storage(server.uri("bench", "stage")) if server is not None else root / "stage"
+    written = write_artifact(stage, state, fields).manifest
 
-        def read_two_passes() -> None:
-            manifest = read_manifest(stage / MANIFEST)
-            if file_sha256(stage / WEIGHTS) != manifest.weights_sha256:
+    def read_two_passes() -> None:
+        manifest = read_manifest(stage / MANIFEST)
+        with local_copy(stage / WEIGHTS) as local:  # the file itself on local disk; a download from S3
+            if file_sha256(local) != manifest.weights_sha256:
                 raise AssertionError("file hash differs")
-            loaded = load_safetensors(stage / WEIGHTS)
-            if copying_digests(loaded) != manifest.tensor_digests:
-                raise AssertionError("digests differ")
-            if non_finite(loaded):
-                raise AssertionError("non-finite")
+            loaded = load_safetensors(local)
+        if copying_digests(loaded) != manifest.tensor_digests:
+            raise AssertionError("digests differ")
+        if non_finite(loaded):
+            raise AssertionError("non-finite")
 
-        def write_serial(path: Path) -> None:
-            path.mkdir()
-            save_safetensors(state, path / WEIGHTS)
-            sha, digests = file_sha256(path / WEIGHTS), copying_digests(state)
-            if sha != written.weights_sha256 or digests != written.tensor_digests:
-                raise AssertionError("the serial write hashed differently")
+    def write_serial(path: Path) -> None:
+        path.mkdir()
+        save_safetensors(state, path / WEIGHTS)
+        sha, digests = file_sha256(path / WEIGHTS), copying_digests(state)
+        if sha != written.weights_sha256 or digests != written.tensor_digests:
+            raise AssertionError("the serial write hashed differently")
 
-        read_two_passes()  # the baseline agrees with what write_artifact recorded
-        read_artifact(stage)
-        times: dict[str, list[float]] = {k: [] for k in ("read", "read2", "write", "write2")}
-        for r in range(args.repeats):
-            for name in ("read", "read2") if r % 2 == 0 else ("read2", "read"):
-                start = time.perf_counter()
-                read_artifact(stage) if name == "read" else read_two_passes()
-                times[name].append(time.perf_counter() - start)
-            for name in ("write", "write2") if r % 2 == 0 else ("write2", "write"):
+    read_two_passes()  # the baseline agrees with what write_artifact recorded
+    read_artifact(stage)
+    pairs = [("read", "read2", "read and verify")] + ([("write", "write2", "write")] if server is None else [])
+    times: dict[str, list[float]] = {k: [] for now, base, _ in pairs for k in (now, base)}
+    for r in range(args.repeats):
+        for now, base, _ in pairs:
+            for name in (now, base) if r % 2 == 0 else (base, now):
                 target = root / f"{name}-{r}"
                 start = time.perf_counter()
-                write_artifact(target, state, fields) if name == "write" else write_serial(target)
+                if name == "read":
+                    read_artifact(stage)
+                elif name == "read2":
+                    read_two_passes()
+                elif name == "write":
+                    write_artifact(target, state, fields)
+                else:
+                    write_serial(target)
                 times[name].append(time.perf_counter() - start)
-                shutil.rmtree(target)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        for now, base, label in (("read", "read2", "read and verify"), ("write", "write2", "write")):
-            print(f"{label}, two passes / serial (baseline): {med[base]:.3f} s (1.00x)")
-            print(
-                f"{label}, cascade-ray: {med[now]:.3f} s ({med[base] / med[now]:.2f}x faster; "
-                f"rounds {', '.join(f'{t:.3f}' for t in times[now])})"
-            )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+                shutil.rmtree(target, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    where = "moto S3 on loopback" if server is not None else "local disk"
+    for now, base, label in pairs:
+        print(f"{label} ({where}), two passes / serial (baseline): {med[base]:.3f} s (1.00x)")
+        print(
+            f"{label} ({where}), cascade-ray: {med[now]:.3f} s ({med[base] / med[now]:.2f}x faster; "
+            f"rounds {', '.join(f'{t:.3f}' for t in times[now])})"
+        )
     return 0
 
 

@@ -223,6 +223,11 @@ class UriPath:
             return self.fs.open_output_stream(self.path)
         raise ValueError(f"UriPath.open supports 'rb' and 'wb', not {mode!r}")
 
+    def open_input_file(self) -> pa.NativeFile:
+        """A random-access binary reader of the object (its ``size()`` known: one HEAD request on
+        an object store); ``readinto`` fills a caller's buffer without an intermediate copy."""
+        return self.fs.open_input_file(self.path)
+
     def unlink(self, missing_ok: bool = False) -> None:
         if missing_ok and not self.exists():
             return

@@ -49,6 +49,9 @@ SAFETENSORS_NUMPY_DTYPES = {
 # one readinto per chunk: a short read (a file shrinking under us) is seen early, and with a
 # digest, each chunk is hashed on a second thread while the next one is read
 _READ_CHUNK_BYTES = 16 << 20
+# safetensors' own reader refuses headers above 100 MB, after allocating for them; a header this
+# size describes millions of tensors, far beyond any cascade stage.
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
 
 Entry = tuple[str, str, tuple[int, ...], int]  # key, numpy dtype, shape, byte offset in the block
 
@@ -111,36 +114,48 @@ def read_packed(path: str | Path, digest: Digest | None = None) -> PackedState |
         ValueError: naming the file, when a tensor's dtype is one plain numpy lacks (bf16, float8),
             or when it ends before its header says (it shrank while read).
     """
+    with open(path, "rb", buffering=0) as f:
+        return read_packed_from(f, os.fstat(f.fileno()).st_size, path, digest)
+
+
+def read_packed_from(f: BinaryIO, size: int, name: object, digest: Digest | None = None) -> PackedState | None:
+    """:func:`read_packed` of a safetensors file open in `f` at its start, `size` bytes long: a
+    remote object (a ``pyarrow`` input file) is read straight into the block this way, with
+    no local copy. A header length beyond the file or above
+    :data:`SAFETENSORS_HEADER_MAX_BYTES` returns None before anything is allocated for it.
+    `name` is what errors call the file.
+    """
     if sys.byteorder != "little":  # the views would be byte-swapped dtypes torch cannot take
         return None
-    with open(path, "rb", buffering=0) as f:
-        prefix = f.read(8)
-        length = int.from_bytes(prefix, "little")
-        raw = f.read(length)
-        try:
-            header = json.loads(raw)
-        except ValueError:
-            return None
-        size = os.fstat(f.fileno()).st_size - 8 - length
-        index = _layout(header, size, path)
-        if index is None:
-            return None
-        block = np.empty(size, dtype=np.uint8)
-        view = memoryview(block)
-        if digest is None:
-            _read_into(f, view, path, lambda chunk: None)
-        else:
-            digest.update(prefix)
-            digest.update(raw)
-            with ThreadPoolExecutor(1, thread_name_prefix="cascade-read-hash") as hasher:  # runs chunks in order
-                hashed = []
-                _read_into(f, view, path, lambda chunk: hashed.append(hasher.submit(digest.update, chunk)))
-                for done in hashed:
-                    done.result()
+    prefix = f.read(8)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 <= length <= min(size - 8, SAFETENSORS_HEADER_MAX_BYTES):
+        return None
+    raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        return None
+    size -= 8 + length
+    index = _layout(header, size, name)
+    if index is None:
+        return None
+    block = np.empty(size, dtype=np.uint8)
+    view = memoryview(block)
+    if digest is None:
+        _read_into(f, view, name, lambda chunk: None)
+    else:
+        digest.update(prefix)
+        digest.update(raw)
+        with ThreadPoolExecutor(1, thread_name_prefix="cascade-read-hash") as hasher:  # runs chunks in order
+            hashed = []
+            _read_into(f, view, name, lambda chunk: hashed.append(hasher.submit(digest.update, chunk)))
+            for done in hashed:
+                done.result()
     return PackedState(block, index)
 
 
-def _read_into(f: BinaryIO, view: memoryview, path: str | Path, each: Callable[[memoryview], object]) -> None:
+def _read_into(f: BinaryIO, view: memoryview, path: object, each: Callable[[memoryview], object]) -> None:
     """Fill `view` from `f` in chunks, passing each filled chunk to `each`."""
     done, size = 0, len(view)
     while done < size:
@@ -151,7 +166,7 @@ def _read_into(f: BinaryIO, view: memoryview, path: str | Path, each: Callable[[
         done += got
 
 
-def _layout(header: Any, size: int, path: str | Path) -> tuple[Entry, ...] | None:
+def _layout(header: Any, size: int, path: object) -> tuple[Entry, ...] | None:
     """The entries of a parsed safetensors header in file order, or None when they do not tile
     `size` bytes exactly at offsets aligned for their dtypes.
 

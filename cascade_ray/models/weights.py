@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from cascade_ray.models.packed import Digest, read_packed
+from cascade_ray.models.packed import SAFETENSORS_HEADER_MAX_BYTES, Digest, read_packed
 
 NumpyState = dict[str, np.ndarray]
 
@@ -32,10 +32,6 @@ _READ_ONLY_WARNING = "The given NumPy array is not writable"
 # torch.nn.modules.module's dicts of global hooks that Module.__setattr__ runs when it
 # registers a parameter or buffer (share_numpy_state bypasses it only while both are empty)
 _REGISTRATION_HOOKS = ("_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
-
-# safetensors' own reader refuses headers above 100 MB, after allocating for them; a header this
-# size describes millions of tensors, far beyond any cascade stage.
-SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
 
 # state_digests hashes on threads from this many bytes (below, a thread pool's start costs more
 # than it saves), on at most this many threads

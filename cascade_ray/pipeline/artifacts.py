@@ -25,9 +25,10 @@ import numpy as np
 
 from cascade_ray import __version__
 from cascade_ray.errors import ArtifactError
+from cascade_ray.models.packed import read_packed_from
 from cascade_ray.models.weights import NumpyState, load_safetensors_hashed, save_safetensors, state_digests
 from cascade_ray.pipeline.records import Manifest, ManifestFields, manifest_text, read_manifest, seal_manifest
-from cascade_ray.storage import StorageDir, UriPath, local_copy, not_regular_reason, parse_uri
+from cascade_ray.storage import StorageDir, UriPath, local_copy, local_path, not_regular_reason, parse_uri
 
 WEIGHTS = "weights.safetensors"
 MANIFEST = "manifest.json"
@@ -123,15 +124,14 @@ def read_artifact(directory: str | StorageDir) -> tuple[Artifact, NumpyState]:
     manifest = read_manifest(path / MANIFEST)  # ArtifactError naming the file and key when malformed
     weights = path / WEIGHTS
     mismatch = f"artifact {path}: {WEIGHTS} does not match its sha256 in {MANIFEST}; {retrain}"
-    with local_copy(weights) as local:  # one download from remote storage, hashed as it is loaded
-        try:
-            state, sha = load_safetensors_hashed(local)
-        except ValueError as exc:  # a file changed since it was written is that, whatever broke in it
-            raise ArtifactError(
-                mismatch
-                if file_sha256(local) != manifest.weights_sha256
-                else f"artifact {path}: {WEIGHTS}: {exc}; {retrain}"
-            ) from None
+    try:
+        state, sha = _load_weights(weights)
+    except ValueError as exc:  # a file changed since it was written is that, whatever broke in it
+        raise ArtifactError(
+            mismatch
+            if file_sha256(weights) != manifest.weights_sha256
+            else f"artifact {path}: {WEIGHTS}: {exc}; {retrain}"
+        ) from None
     if sha != manifest.weights_sha256:
         raise ArtifactError(mismatch)
     if state_digests(state) != manifest.tensor_digests:
@@ -140,6 +140,23 @@ def read_artifact(directory: str | StorageDir) -> tuple[Artifact, NumpyState]:
     if bad:
         raise ArtifactError(f"artifact {path}: {WEIGHTS} holds NaN/Inf in {', '.join(bad[:3])}; {retrain}")
     return Artifact(path, manifest), state
+
+
+def _load_weights(weights: StorageDir) -> tuple[NumpyState, str]:
+    """The state in `weights` and the sha256 of the bytes it was cut from, the file read once.
+
+    On remote storage the object is read straight into the state's one block, hashed as it
+    arrives: no local copy, no second pass. A file the block cannot view (not written by
+    cascade-ray) is downloaded and read by safetensors.
+    """
+    if isinstance(weights, UriPath) and local_path(weights) is None:
+        digest = hashlib.sha256()
+        with weights.open_input_file() as f:
+            state = read_packed_from(f, f.size(), weights, digest)
+        if state is not None:
+            return state, digest.hexdigest()
+    with local_copy(weights) as local:
+        return load_safetensors_hashed(local)
 
 
 def non_finite(state: NumpyState) -> list[str]:

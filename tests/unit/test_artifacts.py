@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -80,3 +81,57 @@ def test_a_weights_file_changed_since_written_is_named_as_changed_whatever_broke
     weights.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match=f"{WEIGHTS} does not match its sha256 in {MANIFEST}; delete the folder"):
         read_artifact(tmp_path / "stage")
+
+
+def test_an_artifact_on_s3_is_read_into_one_block_with_no_local_copy(s3, monkeypatch):
+    """The object is read straight into the state's block and hashed as it arrives; no temporary
+    download is made (local_copy is not reached), and a bit changed in it is still refused."""
+    import uuid
+
+    from cascade_ray.models.packed import PackedState
+    from cascade_ray.pipeline import artifacts
+    from cascade_ray.storage import as_storage
+
+    uri = s3.uri("unit", uuid.uuid4().hex[:8], "stage")
+    written = write_artifact(uri, _state(), manifest_fields("a"))
+
+    def no_copy(path):
+        raise AssertionError(f"downloaded {path}")
+
+    monkeypatch.setattr(artifacts, "local_copy", no_copy)
+    artifact, state = read_artifact(uri)
+    assert type(state) is PackedState and not frozen_changes(_state(), state)
+    assert artifact.manifest.weights_sha256 == written.manifest.weights_sha256
+    weights = as_storage(uri) / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=f"{WEIGHTS} does not match its sha256 in {MANIFEST}"):
+        read_artifact(uri)
+
+
+def test_an_s3_file_the_block_cannot_view_is_downloaded_and_read_by_safetensors(s3, tmp_path):
+    """A consistent artifact whose weights file is misaligned (not written by cascade-ray): the
+    block reader declines it and the download goes through safetensors' reader, still verified."""
+    import uuid
+
+    from cascade_ray.models.weights import state_digests
+    from cascade_ray.pipeline.records import Manifest, manifest_text, seal_manifest
+    from cascade_ray.storage import as_storage
+
+    header = (
+        b'{"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}}'
+    )
+    header += b" " * (-len(header) % 8)
+    raw = len(header).to_bytes(8, "little") + header + bytes([3]) + np.array([1.5, -2.0], "<f4").tobytes()
+    state = {"b": np.array([3], np.uint8), "w": np.array([1.5, -2.0], np.float32)}
+    uri = s3.uri("unit", uuid.uuid4().hex[:8], "stage")
+    write_artifact(uri, state, manifest_fields("a"))
+    stage = as_storage(uri)
+    (stage / WEIGHTS).write_bytes(raw)
+    fields = json.loads((stage / MANIFEST).read_text())
+    fields["weights_sha256"] = hashlib.sha256(raw).hexdigest()
+    fields["tensor_digests"] = state_digests(state)
+    (stage / MANIFEST).write_text(manifest_text(seal_manifest(Manifest.model_validate(fields))))
+    _, got = read_artifact(uri)
+    assert type(got) is dict and got["w"].tolist() == [1.5, -2.0] and got["b"].tolist() == [3]
