@@ -48,7 +48,7 @@ SAFETENSORS_NUMPY_DTYPES = {
 }
 # one readinto per chunk: a short read (a file shrinking under us) is seen early, and with a
 # digest, each chunk is hashed on a second thread while the next one is read
-_READ_CHUNK_BYTES = 16 << 20
+READ_CHUNK_BYTES = 16 << 20
 # safetensors' own reader refuses headers above 100 MB, after allocating for them; a header this
 # size describes millions of tensors, far beyond any cascade stage.
 SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
@@ -118,12 +118,15 @@ def read_packed(path: str | Path, digest: Digest | None = None) -> PackedState |
         return read_packed_from(f, os.fstat(f.fileno()).st_size, path, digest)
 
 
-def read_packed_from(f: BinaryIO, size: int, name: object, digest: Digest | None = None) -> PackedState | None:
+def read_packed_from(
+    f: BinaryIO, size: int, name: object, digest: Digest | None = None, *, chunk_bytes: int = READ_CHUNK_BYTES
+) -> PackedState | None:
     """:func:`read_packed` of a safetensors file open in `f` at its start, `size` bytes long: a
     remote object (a ``pyarrow`` input file) is read straight into the block this way, with
     no local copy. A header length beyond the file or above
     :data:`SAFETENSORS_HEADER_MAX_BYTES` returns None before anything is allocated for it.
-    `name` is what errors call the file.
+    `name` is what errors call the file. Each ``readinto`` asks for `chunk_bytes` (on an object
+    store, one ranged GET each: a remote reader asks for larger chunks, fewer requests).
     """
     if sys.byteorder != "little":  # the views would be byte-swapped dtypes torch cannot take
         return None
@@ -143,23 +146,23 @@ def read_packed_from(f: BinaryIO, size: int, name: object, digest: Digest | None
     block = np.empty(size, dtype=np.uint8)
     view = memoryview(block)
     if digest is None:
-        _read_into(f, view, name, lambda chunk: None)
+        _read_into(f, view, name, chunk_bytes, lambda chunk: None)
     else:
         digest.update(prefix)
         digest.update(raw)
         with ThreadPoolExecutor(1, thread_name_prefix="cascade-read-hash") as hasher:  # runs chunks in order
             hashed = []
-            _read_into(f, view, name, lambda chunk: hashed.append(hasher.submit(digest.update, chunk)))
+            _read_into(f, view, name, chunk_bytes, lambda chunk: hashed.append(hasher.submit(digest.update, chunk)))
             for done in hashed:
                 done.result()
     return PackedState(block, index)
 
 
-def _read_into(f: BinaryIO, view: memoryview, path: object, each: Callable[[memoryview], object]) -> None:
+def _read_into(f: BinaryIO, view: memoryview, path: object, chunk: int, each: Callable[[memoryview], object]) -> None:
     """Fill `view` from `f` in chunks, passing each filled chunk to `each`."""
     done, size = 0, len(view)
     while done < size:
-        got = f.readinto(view[done : done + _READ_CHUNK_BYTES])
+        got = f.readinto(view[done : done + chunk])
         if not got:
             raise ValueError(f"{path}: ended after {done} of its {size} data bytes (changed while read?)")
         each(view[done : done + got])

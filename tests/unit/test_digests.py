@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from cascade_ray.models import packed as packed_module
 from cascade_ray.models import weights
-from cascade_ray.models.packed import read_packed
+from cascade_ray.models.packed import read_packed, read_packed_from
 from cascade_ray.models.weights import load_safetensors_hashed, save_safetensors, state_digests, tensor_digest
 
 
@@ -93,15 +92,18 @@ def _file_sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_the_hashed_read_hashes_exactly_the_files_bytes_across_chunks(tmp_path, monkeypatch):
+def test_the_hashed_read_hashes_exactly_the_files_bytes_across_chunks(tmp_path):
     rng = np.random.default_rng(1)
     state = {f"w{i}": rng.standard_normal((37, 11), dtype=np.float32) for i in range(8)}
     path = tmp_path / "w.safetensors"
     save_safetensors(state, path)
-    monkeypatch.setattr(packed_module, "_READ_CHUNK_BYTES", 1000)  # ~13 chunks, each hashed on the second thread
-    got, sha = load_safetensors_hashed(path)
-    assert sha == _file_sha256(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # ~13 chunks, each hashed on the second thread while the next is read
+        got = read_packed_from(f, path.stat().st_size, path, digest, chunk_bytes=1000)
+    assert got is not None and digest.hexdigest() == _file_sha256(path)
     assert all(np.array_equal(got[k], state[k]) for k in state) and got.keys() == state.keys()
+    whole, sha = load_safetensors_hashed(path)  # one chunk, through the framing check
+    assert sha == _file_sha256(path) and all(np.array_equal(whole[k], state[k]) for k in state)
 
 
 def test_a_file_the_block_cannot_view_is_hashed_before_safetensors_reads_it(tmp_path):
