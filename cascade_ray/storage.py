@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -518,6 +519,15 @@ def staged_dir(path: StorageDir) -> Iterator[Path]:
             if file.is_file():
                 with file.open("rb") as src, (path / file.relative_to(tmp).as_posix()).open("wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def file_sha256(path: StorageDir | str) -> str:
+    """sha256 of a file's bytes (local or remote), read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with (Path(path) if isinstance(path, str) else path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 @contextmanager

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from cascade_ray.models.packed import SAFETENSORS_HEADER_MAX_BYTES, Digest, read_packed
+from cascade_ray.models.packed import SAFETENSORS_HEADER_MAX_BYTES, read_packed
+from cascade_ray.storage import file_sha256
 
 NumpyState = dict[str, np.ndarray]
 
@@ -256,7 +257,9 @@ def load_safetensors(path: str | Path) -> NumpyState:
             safetensors cannot parse it, or it holds a dtype plain numpy lacks (bf16, float8:
             :func:`~cascade_ray.models.packed.read_packed`).
     """
-    return _load(path, None)
+    _refuse_damaged_framing(path)
+    packed = read_packed(path)
+    return packed if packed is not None else _load_file(path)
 
 
 def load_safetensors_hashed(path: str | Path) -> tuple[NumpyState, str]:
@@ -270,25 +273,25 @@ def load_safetensors_hashed(path: str | Path) -> tuple[NumpyState, str]:
     Raises:
         ValueError: as :func:`load_safetensors`.
     """
+    _refuse_damaged_framing(path)
     digest = hashlib.sha256()
-    state = _load(path, digest)
-    return state, digest.hexdigest()
+    packed = read_packed(path, digest)
+    if packed is not None:
+        return packed, digest.hexdigest()
+    sha = file_sha256(path)  # not the same read as safetensors' below: the tensor digests check that
+    return _load_file(path), sha
 
 
-def _load(path: str | Path, digest: Digest | None) -> NumpyState:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+def _refuse_damaged_framing(path: str | Path) -> None:
     problem = safetensors_header_problem(path)
     if problem is not None:
         raise ValueError(f"{path}: {problem}")
-    packed = read_packed(path, digest)
-    if packed is not None:
-        return packed
-    if digest is not None:  # hashed before safetensors reads it: not the same read, the tensor digests check that
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
+
+
+def _load_file(path: str | Path) -> NumpyState:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
     try:
         return load_file(str(path))
     except SafetensorError as exc:

@@ -28,7 +28,15 @@ from cascade_ray.errors import ArtifactError
 from cascade_ray.models.packed import read_packed_from
 from cascade_ray.models.weights import NumpyState, load_safetensors_hashed, save_safetensors, state_digests
 from cascade_ray.pipeline.records import Manifest, ManifestFields, manifest_text, read_manifest, seal_manifest
-from cascade_ray.storage import StorageDir, UriPath, local_copy, local_path, not_regular_reason, parse_uri
+from cascade_ray.storage import (
+    StorageDir,
+    UriPath,
+    file_sha256,
+    local_copy,
+    local_path,
+    not_regular_reason,
+    parse_uri,
+)
 
 # each read of a remote artifact's weights is one ranged GET: fewer, larger requests than on disk
 REMOTE_READ_CHUNK_BYTES = 64 << 20
@@ -53,14 +61,6 @@ def as_storage_dir(directory: str | StorageDir) -> StorageDir:
     if isinstance(directory, (Path, UriPath)):
         return directory
     return parse_uri(str(directory)) or Path(directory)
-
-
-def file_sha256(path: StorageDir) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _complete(fields: ManifestFields, weights: Path, state: NumpyState) -> Manifest:
