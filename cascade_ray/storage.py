@@ -539,5 +539,6 @@ def local_copy(path: StorageDir) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="cascade-ray-") as tmp:
         target = Path(tmp) / path.name
-        target.write_bytes(path.read_bytes())
+        with path.open("rb") as src, target.open("wb") as dst:  # streamed: the object never whole in memory
+            shutil.copyfileobj(src, dst, 1 << 20)
         yield target
