@@ -46,7 +46,7 @@ class _Reporter:
         dist.all_reduce(t)
         return t.tolist()
 
-    def report(self, metrics: dict[str, float], state: Any, trainer: Any = None) -> None:
+    def report(self, metrics: dict[str, float], state: Any, trainer: Any = None, frozen: Any = None) -> None:
         pass
 
 

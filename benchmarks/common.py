@@ -17,7 +17,7 @@ class ListReporter:
     def all_sum(self, values):
         return list(values)
 
-    def report(self, metrics, state, trainer=None):
+    def report(self, metrics, state, trainer=None, frozen=None):
         self.reports.append(dict(metrics))
         if state is not None:
             self.last_state = state

@@ -457,6 +457,14 @@ class CheckpointRetention(_Strict):
         "the stage's artifact is written (a swept stage: in the adopted trial's run), leaving exactly the "
         "`top_k` best.",
     )
+    frozen: Literal["reference", "copy"] = Field(
+        "reference",
+        description="What each checkpoint holds of the frozen upstream it trained on: `reference` (default) writes "
+        "only the tensors the stage trains, plus the digest of every frozen one (`frozen.json`), and the stage "
+        "artifact, a resume and a sweep's adoption take the frozen tensors back from the upstream artifact after "
+        "checking those digests; `copy` writes the whole composed state into every checkpoint (a self-contained "
+        "file, as large as the upstream).",
+    )
 
 
 class TrainConfig(_Strict):

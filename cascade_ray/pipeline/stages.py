@@ -225,18 +225,25 @@ class StageSession:
         metric, mode = retention_metric(self.cfg, stage)
         best = result.get_best_checkpoint(metric, mode)
         with best.as_directory() as ckpt:
-            state = read_checkpoint(ckpt)
+            # a reference checkpoint's frozen entries come from the upstream, their recorded digests checked
+            weights = read_checkpoint(ckpt, upstream.state if upstream is not None else None)
+            state = weights.state
             metrics = json.loads((Path(ckpt) / CHECKPOINT_STATE).read_text())
             nodes_file = Path(ckpt) / CHECKPOINT_NODES  # where the workers ran (a Tune trial's too)
             nodes = json.loads(nodes_file.read_text()) if nodes_file.is_file() else None
         trainable, frozen_keys, frozen_params = stage_accounting(self.cfg, index, self.input_shape, self.out_width)
+        referenced = weights.frozen_digests or {}
         if upstream is not None:
-            # independent of the worker's own per-epoch check: compare bits with the upstream
-            changed = frozen_changes({k: upstream.state[k] for k in frozen_keys}, state)
+            # independent of the worker's own per-epoch check: compare bits with the upstream (the entries
+            # a reference checkpoint named were compared by digest as they were read)
+            changed = frozen_changes({k: upstream.state[k] for k in frozen_keys if k not in referenced}, state)
             if changed:
                 raise FrozenDriftError(
                     f"stage {stage.name!r}: {len(changed)} frozen tensor(s) differ from the upstream artifact: {', '.join(changed[:5])}"
                 )
+        # a reference checkpoint's digests were checked against the upstream as it was read: not hashed again
+        hashed = state_digests(state, [k for k in frozen_keys if k not in referenced])
+        frozen_digests = dict(sorted((hashed | {k: referenced[k] for k in frozen_keys if k in referenced}).items()))
         outcome = result.return_value or {}
         fields = ManifestFields(
             metrics=metrics,
@@ -250,7 +257,7 @@ class StageSession:
             index=index,
             parent_fingerprint=upstream.fingerprint if upstream else "",
             data_fingerprint=self.data_fp,
-            frozen_digest=state_digests(state, frozen_keys),
+            frozen_digest=frozen_digests,
             nodes=nodes,
             data_spec=self.data_spec or None,
             # what the worker's device made of precision auto / memory format / compile

@@ -59,7 +59,7 @@ from cascade_ray.stage.grouped import GROUP_SIZE, GroupedSteps
 from cascade_ray.stage.loop import Reporter
 from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.progress import format_trial
-from cascade_ray.stage.resume import restore_trainer_state, trainer_state
+from cascade_ray.stage.resume import frozen_reference, restore_trainer_state, trainer_state
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 from cascade_ray.stage.startup import StartupClock
 from cascade_ray.storage import as_storage
@@ -249,7 +249,10 @@ def run_batched(
     winner = replicas[best]
     state = winner.setup.model.state_dict() | (winner.best_own or {})
     metrics = dict(winner.history[winner.best_epoch - 1]) | {"replica": best}
-    reporter.report(metrics, state if reporter.rank == 0 else None)
+    frozen = None  # train.checkpoint.frozen: reference: the unchanged frozen upstream is named, not written
+    if reporter.rank == 0 and cfgs[0].stages[index].train.checkpoint.frozen == "reference" and winner.digest:
+        frozen = frozen_reference(state, winner.digest, frozen_digest(winner.setup.model, winner.setup.plan))
+    reporter.report(metrics, state if reporter.rank == 0 else None, frozen=frozen)
     return BatchedOutcome(
         [r.history for r in replicas],
         [r.error for r in replicas],

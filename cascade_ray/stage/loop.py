@@ -32,7 +32,7 @@ from cascade_ray.solver import EarlyStopping, clip_gradients, stage_step_issues
 from cascade_ray.solver.precision import emulated_bf16_detail, probe_slowdown
 from cascade_ray.stage.hooks import LoopHooks, LoopState
 from cascade_ray.stage.monitor import HealthMonitor
-from cascade_ray.stage.resume import restore_trainer_state, trainer_state
+from cascade_ray.stage.resume import frozen_reference, restore_trainer_state, trainer_state
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 from cascade_ray.stage.sharding import (
     full_model_state,
@@ -54,9 +54,14 @@ class Reporter(Protocol):
         """Element-wise sum over ranks."""
 
     def report(
-        self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None
+        self,
+        metrics: dict[str, float],
+        state: Mapping[str, torch.Tensor] | None,
+        trainer: dict[str, Any] | None = None,
+        frozen: Mapping[str, str] | None = None,
     ) -> None:
-        """Publish one epoch's metrics; rank 0 passes the model and trainer state to checkpoint."""
+        """Publish one epoch's metrics; rank 0 passes the model and trainer state to checkpoint, and
+        `frozen` (key -> digest): the frozen entries of the state a checkpoint may name instead of hold."""
 
 
 @dataclass(frozen=True)
@@ -194,13 +199,23 @@ def run_stage(
             setup, state, hooks, reporter, train_src, seed=stage_seed(cfg, index), epoch=epoch, step=step
         )
         step = run.step
-        metrics = _end_epoch(setup, state, reporter, run, val_src, digest, epoch=epoch)
+        metrics, frozen_now = _end_epoch(setup, state, reporter, run, val_src, digest, epoch=epoch)
         state.metrics = metrics
         hooks.on_epoch(state)
         # the reported metrics stay flat; the history (summary, artifact manifest, resume state) also
         # carries this epoch's per-step rows, so they survive a reused stage (--resume)
         history.append(metrics | {"steps": run.step_rows} if run.step_rows else metrics)
-        _report(setup, stopper, reporter, metrics, history, epochs_done=epoch + 1, step=step, skipped=monitor.skipped)
+        _report(
+            setup,
+            stopper,
+            reporter,
+            metrics,
+            history,
+            epochs_done=epoch + 1,
+            step=step,
+            skipped=monitor.skipped,
+            frozen=(digest, frozen_now),
+        )
         if setup.scheduler.step_epoch(metrics) and reporter.rank == 0:
             print(
                 f"[{stage.name}] {stage.solver.lr_scheduler.monitor} plateaued: lr now {setup.scheduler.get_last_lr()[0]:.3g}",
@@ -348,9 +363,13 @@ def _end_epoch(
     digest: dict[str, str],
     *,
     epoch: int,
-) -> dict[str, float]:
-    """The epoch's health checks, then its metrics: training (summed over ranks), validation, health."""
-    state.monitor.end_epoch(run.step, run.loss_sum, digest)
+) -> tuple[dict[str, float], dict[str, str] | None]:
+    """The epoch's health checks, then its metrics: training (summed over ranks), validation, health.
+
+    The frozen tensors are checked after validation, so the digests returned (None: the
+    ``frozen_drift`` rule is off) are those of the weights the epoch's checkpoint holds.
+    """
+    state.monitor.end_epoch(run.step, run.loss_sum, None)
     sums = reporter.all_sum([float(run.seen), *run.loss_sum.tolist()])
     metrics = {
         "epoch": epoch + 1,
@@ -363,8 +382,9 @@ def _end_epoch(
     if setup.stage.type == "joint":
         metrics |= {f"loss/{n}": sums[2 + i] / sums[0] for i, n in enumerate(setup.heads)}
     metrics |= evaluate(setup, val_source, reporter, prefix="val_")
+    frozen_now = state.monitor.check_frozen_now(run.step, digest)
     metrics |= state.monitor.epoch_metrics()
-    return metrics
+    return metrics, frozen_now
 
 
 def _report(
@@ -377,11 +397,14 @@ def _report(
     epochs_done: int,
     step: int,
     skipped: int,
+    frozen: tuple[dict[str, str], dict[str, str] | None],
 ) -> None:
     """Publish the epoch's metrics; rank 0 also checkpoints the model and everything a restart resumes from.
 
     Sharded (fsdp), every rank first gathers the full model and optimizer state (a collective); rank 0
-    checkpoints them, so checkpoints and the artifact are ordinary full state dicts.
+    checkpoints them, so checkpoints and the artifact are ordinary full state dicts. `frozen`: the
+    frozen digests before training and now (None: not taken this epoch); with
+    ``train.checkpoint.frozen: reference`` the unchanged frozen entries are named by digest, not written.
     """
     sharded = is_sharded(setup.model)
     if sharded:
@@ -403,7 +426,16 @@ def _report(
         history=history,
         optimizer_state=optimizer_state,
     )
-    reporter.report(metrics, model_state, resumable)
+    reporter.report(metrics, model_state, resumable, frozen=_frozen_reference(setup, model_state, *frozen))
+
+
+def _frozen_reference(
+    setup: StageSetup, model_state: Mapping[str, torch.Tensor], before: dict[str, str], now: dict[str, str] | None
+) -> dict[str, str] | None:
+    """What the checkpoint names by digest (``train.checkpoint.frozen: reference``), else None."""
+    if setup.stage.train.checkpoint.frozen != "reference" or not before:
+        return None
+    return frozen_reference(model_state, before, now if now is not None else frozen_digest(setup.model, setup.plan))
 
 
 def _sources(

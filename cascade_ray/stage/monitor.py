@@ -144,21 +144,30 @@ class HealthMonitor:
                 f"or train them on purpose by listing their stage in {self.path}.trainable_layers",
             )
 
-    def end_epoch(self, step: int, loss_sum: torch.Tensor, digest: dict[str, str]) -> None:
-        """Flush the non-finite check and compare the frozen digest with the one taken before training."""
+    def end_epoch(self, step: int, loss_sum: torch.Tensor, digest: dict[str, str] | None) -> None:
+        """Flush the non-finite check and, given `digest`, compare the frozen digest with the one taken before training."""
         if self.on["nonfinite"] and self.checked_to < step:
             self._check_finite(step, float(self.all_sum([float(not torch.isfinite(loss_sum).all())])[0]), None)
-        if self.on["frozen_drift"]:
-            try:
-                check_frozen(digest, frozen_digest(self.model, self.plan), self.stage.name)
-            except FrozenDriftError as exc:
-                self.fire(
-                    "frozen_drift",
-                    step,
-                    str(exc),
-                    f"{self.path}.trainable_layers",
-                    f"find what writes to the frozen tensors, or list their stage in {self.path}.trainable_layers",
-                )
+        if digest is not None:
+            self.check_frozen_now(step, digest)
+
+    def check_frozen_now(self, step: int, digest: dict[str, str]) -> dict[str, str] | None:
+        """Compare the frozen tensors' digests now with `digest` (taken before training); return the
+        digests taken, or None when the ``frozen_drift`` rule is off (nothing was hashed)."""
+        if not self.on["frozen_drift"]:
+            return None
+        now = frozen_digest(self.model, self.plan)
+        try:
+            check_frozen(digest, now, self.stage.name)
+        except FrozenDriftError as exc:
+            self.fire(
+                "frozen_drift",
+                step,
+                str(exc),
+                f"{self.path}.trainable_layers",
+                f"find what writes to the frozen tensors, or list their stage in {self.path}.trainable_layers",
+            )
+        return now
 
     def epoch_metrics(self) -> dict[str, float]:
         """Mean gradient norm and relative update over the epoch's measurements, warnings, fp16 state."""

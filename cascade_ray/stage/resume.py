@@ -8,7 +8,7 @@ the optimizer step counter, so a run can never silently continue at the wrong st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -81,3 +81,15 @@ def restore_trainer_state(
             "wrong step. Retrain the stage (delete its Ray run folder or rerun without --resume)."
         )
     return int(state["epochs_done"]), step, skipped, list(state["history"])
+
+
+def frozen_reference(
+    state: Mapping[str, torch.Tensor], before: Mapping[str, str], now: Mapping[str, str]
+) -> dict[str, str] | None:
+    """The frozen entries a ``train.checkpoint.frozen: reference`` checkpoint names by digest instead
+    of holding (key -> digest): those of `state` still as they were before training (`now` ==
+    `before`; a drifted tensor stays in the file, so the driver's check against the upstream sees
+    it), and not bf16 (checkpoints widen bf16 to float32, which the upstream's own bytes would not
+    match). None when there are none."""
+    kept = {k: d for k, d in now.items() if before.get(k) == d and k in state and state[k].dtype != torch.bfloat16}
+    return kept or None

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import ray.train
 import ray.train.torch
@@ -24,9 +25,9 @@ from torch import nn
 from cascade_ray.checks import validate_config
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.data import DataSplits
-from cascade_ray.errors import ResourceError
+from cascade_ray.errors import CascadeError, FrozenDriftError, ResourceError
 from cascade_ray.models.plan import remember_plans
-from cascade_ray.models.weights import load_safetensors, save_safetensors
+from cascade_ray.models.weights import load_safetensors, save_safetensors, state_digests
 from cascade_ray.stage.hooks import LoopHooks, chain_hooks
 from cascade_ray.stage.loop import run_stage
 from cascade_ray.stage.observe import observer_hooks
@@ -36,6 +37,7 @@ from cascade_ray.stage.startup import StartupClock
 CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_STATE = "train_state.json"
 CHECKPOINT_NODES = "nodes.json"  # the worker group's node ids, one per rank
+CHECKPOINT_FROZEN = "frozen.json"  # train.checkpoint.frozen: reference: the frozen entries left out, by digest
 
 
 class RayReporter:
@@ -66,24 +68,57 @@ class RayReporter:
         return t.tolist()
 
     def report(
-        self, metrics: dict[str, float], state: Mapping[str, torch.Tensor] | None, trainer: dict[str, Any] | None = None
+        self,
+        metrics: dict[str, float],
+        state: Mapping[str, torch.Tensor] | None,
+        trainer: dict[str, Any] | None = None,
+        frozen: Mapping[str, str] | None = None,
     ) -> None:
+        """Report `metrics`; with a `state`, also a checkpoint of it (rank 0). `frozen` (key -> digest):
+        frozen upstream tensors the checkpoint names by digest instead of holding (see :func:`write_checkpoint`)."""
         if state is None:
             ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory() as tmp:
-            save_safetensors(state, Path(tmp) / CHECKPOINT_WEIGHTS)
-            (Path(tmp) / CHECKPOINT_STATE).write_text(json.dumps(metrics))
-            (Path(tmp) / CHECKPOINT_NODES).write_text(json.dumps(self.nodes))
-            if trainer is not None:
-                torch.save(trainer, Path(tmp) / TRAINER_STATE)
+            write_checkpoint(tmp, state, metrics, nodes=self.nodes, trainer=trainer, frozen=frozen)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def read_resume_state() -> dict[str, Any] | None:
+def write_checkpoint(
+    folder: str | Path,
+    state: Mapping[str, torch.Tensor],
+    metrics: dict[str, float],
+    *,
+    nodes: list[str],
+    trainer: dict[str, Any] | None = None,
+    frozen: Mapping[str, str] | None = None,
+) -> None:
+    """Fill a checkpoint directory: weights, metrics, the ranks' nodes, the resume state.
+
+    With `frozen` (``train.checkpoint.frozen: reference``: the frozen upstream's digests, as the
+    tensors are now), those keys are left out of the weights and ``frozen.json`` lists them with
+    their digests: a stage on a large frozen upstream writes only what it trains each epoch.
+    :func:`read_checkpoint` puts them back from the upstream, digests checked.
+    """
+    folder = Path(folder)
+    kept = state if not frozen else {k: v for k, v in state.items() if k not in frozen}
+    save_safetensors(kept, folder / CHECKPOINT_WEIGHTS)
+    (folder / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+    (folder / CHECKPOINT_NODES).write_text(json.dumps(nodes))
+    if frozen:
+        (folder / CHECKPOINT_FROZEN).write_text(
+            json.dumps({"format": 1, "digests": dict(sorted(frozen.items()))}, indent=0)
+        )
+    if trainer is not None:
+        torch.save(trainer, folder / TRAINER_STATE)
+
+
+def read_resume_state(upstream: Mapping[str, np.ndarray] | None) -> dict[str, Any] | None:
     """The latest registered checkpoint of this run after a worker-group restart, else None.
 
-    Trainer state is read with ``weights_only=True``: tensors and plain containers only.
+    Its weights are whole again (frozen upstream entries a ``reference`` checkpoint names are taken
+    from `upstream`, digests checked: :func:`read_checkpoint`). Trainer state is read with
+    ``weights_only=True``: tensors and plain containers only.
     """
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
@@ -92,7 +127,8 @@ def read_resume_state() -> dict[str, Any] | None:
         trainer = Path(folder) / TRAINER_STATE
         if not trainer.is_file():
             return None
-        return {"model": read_checkpoint(folder), "trainer": torch.load(trainer, map_location="cpu", weights_only=True)}
+        weights = read_checkpoint(folder, upstream)
+        return {"model": weights.state, "trainer": torch.load(trainer, map_location="cpu", weights_only=True)}
 
 
 class FaultInjection:
@@ -116,9 +152,53 @@ class FaultInjection:
             os._exit(17)  # a crash, not an exception: Ray sees the worker die
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Weights (numpy state dict) of a stage checkpoint directory."""
-    return load_safetensors(Path(path) / CHECKPOINT_WEIGHTS)
+@dataclasses.dataclass(frozen=True)
+class CheckpointWeights:
+    """A checkpoint's weights, whole. `frozen_digests`: the digests of the entries taken from the
+    upstream (a ``reference`` checkpoint), each checked against it; None when the file held them all."""
+
+    state: Mapping[str, np.ndarray]
+    frozen_digests: dict[str, str] | None
+
+
+def read_checkpoint(path: str | Path, upstream: Mapping[str, np.ndarray] | None = None) -> CheckpointWeights:
+    """Weights (numpy state dict) of a stage checkpoint directory, whole.
+
+    A ``reference`` checkpoint (``frozen.json``) holds only what its stage trains; the frozen
+    entries it names come from `upstream` (the upstream's hand-off), once their digests match
+    those the worker recorded.
+
+    Raises:
+        FrozenDriftError: naming the entries, when `upstream` lacks one or holds other bytes than the
+            checkpoint's stage trained on.
+        CascadeError: when the checkpoint names frozen entries and no `upstream` is given.
+    """
+    path = Path(path)
+    state = load_safetensors(path / CHECKPOINT_WEIGHTS)
+    listed = path / CHECKPOINT_FROZEN
+    if not listed.is_file():  # the file's one block as it was read (a ray.put moves one buffer)
+        return CheckpointWeights(state, None)
+    recorded = json.loads(listed.read_text())["digests"]
+    if upstream is None:
+        raise CascadeError(
+            f"checkpoint {path} names {len(recorded)} frozen upstream tensor(s) by digest "
+            "(train.checkpoint.frozen: reference), but no upstream state was given to take them from"
+        )
+    absent = sorted(k for k in recorded if k not in upstream)
+    actual = state_digests(upstream, [k for k in recorded if k in upstream])
+    changed = absent + sorted(k for k, d in actual.items() if recorded[k] != d)
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise FrozenDriftError(
+            f"checkpoint {path} was trained on frozen upstream tensors that the upstream artifact no longer "
+            f"holds as they were ({len(changed)}: {shown}); its weights cannot be made whole from this upstream. "
+            "Train the stage again from its upstream: rerun without --resume (or with --overwrite), or delete "
+            "the stage's Ray run folder"
+        )
+    # a plain dict of the file's views and the upstream's (packing them into one block again would
+    # copy the upstream: more than the one-block hand-off saves, docs/benchmarks.md P3)
+    whole = dict(state) | {key: upstream[key] for key in recorded}
+    return CheckpointWeights(whole, dict(sorted(recorded.items())))
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
@@ -171,7 +251,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             device,
             wrap=wrap,
             hooks=chain_hooks(marks, hooks, observe),
-            resume=read_resume_state(),
+            resume=read_resume_state(upstream),
             features=features,
             sources=sources,
             input_stage=loop_config["stream"].get("input_stage") if loop_config.get("stream") else None,

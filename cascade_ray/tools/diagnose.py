@@ -302,7 +302,7 @@ class _QuietReporter:
     def all_sum(self, values: list[float]) -> list[float]:
         return list(values)
 
-    def report(self, metrics: dict[str, float], state: Any, trainer: Any = None) -> None:
+    def report(self, metrics: dict[str, float], state: Any, trainer: Any = None, frozen: Any = None) -> None:
         return None
 
 

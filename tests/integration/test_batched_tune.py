@@ -111,7 +111,7 @@ def test_a_batched_sweep_writes_the_plain_sweeps_outputs_and_adopts_the_best_rep
             assert mine[name] == pytest.approx(theirs[name], rel=1e-5), name
     assert record["metrics"]["val_loss"] == pytest.approx(min(h["val_loss"] for h in lone["history"]), rel=1e-5)
     with result.checkpoint.as_directory() as folder:
-        kept = read_checkpoint(folder)
+        kept = read_checkpoint(folder, upstream).state  # its frozen entries named by digest: taken from the upstream
     worst = 0.0
     for key, value in kept.items():
         np.testing.assert_allclose(adopted[key], value, rtol=1e-5, atol=1e-6, err_msg=key)

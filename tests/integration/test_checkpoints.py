@@ -16,10 +16,10 @@ from paths import CONFIGS
 
 from cascade_ray.api import RunOptions, run_pipeline
 from cascade_ray.checks import load_config
-from cascade_ray.models.weights import load_safetensors
+from cascade_ray.models.weights import load_safetensors, state_digests
 from cascade_ray.pipeline.artifacts import read_artifact
 from cascade_ray.pipeline.fit import resumable_run
-from cascade_ray.stage.worker import CHECKPOINT_STATE, CHECKPOINT_WEIGHTS
+from cascade_ray.stage.worker import CHECKPOINT_FROZEN, CHECKPOINT_STATE, CHECKPOINT_WEIGHTS
 from cascade_ray.storage import as_storage, local_copy
 
 pytestmark = pytest.mark.slow
@@ -84,3 +84,35 @@ def test_top_k_on_object_storage_without_the_newest(s3, ray_session):
     cfg, record = _run(s3.uri(f"ckpt-{uuid.uuid4().hex[:8]}", "runs"), save_last=False)
     assert record["artifact"].startswith("s3://")
     _check(cfg, record, save_last=False)
+
+
+def test_a_stage_on_a_frozen_upstream_checkpoints_only_what_it_trains(s3, ray_session):
+    """``train.checkpoint.frozen: reference`` (the default) on a real fit: the encoder (2 DDP workers) on
+    the frozen features stage, on the bucket. Every kept checkpoint holds the encoder's own tensors and
+    names the features stage's by digest; the artifact is the best one made whole from the upstream."""
+    storage = s3.uri(f"frozen-{uuid.uuid4().hex[:8]}", "runs")
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [f"storage_path={storage}", "stages.encoder.train.checkpoint.top_k=2", "stages.encoder.train.epochs=2"],
+    )
+    summary = run_pipeline(cfg, RunOptions(stop_after="encoder"), log=lambda _: None)
+    features, encoder = summary["stages"]
+    _, upstream = read_artifact(features["artifact"])
+    artifact, weights = read_artifact(encoder["artifact"])
+    frozen = artifact.manifest.frozen_digest
+    assert frozen and all(k.startswith(("blocks.features.", "heads.features.")) for k in frozen)
+    assert frozen == state_digests(upstream, frozen)
+    run = as_storage(encoder["artifact"]).parent.parent / "ray" / artifact.manifest.ray_run
+    kept = {}
+    for folder in run.iterdir():
+        if folder.name.startswith("checkpoint_") and folder.is_dir():
+            epoch = int(json.loads((folder / CHECKPOINT_STATE).read_text())["epoch"])
+            assert json.loads((folder / CHECKPOINT_FROZEN).read_text())["digests"] == frozen
+            with local_copy(folder / CHECKPOINT_WEIGHTS) as file:
+                kept[epoch] = load_safetensors(file)
+    assert sorted(kept) == [1, 2]
+    for held in kept.values():
+        assert set(held) == set(weights) - set(frozen)  # no frozen tensor written
+    best = min(encoder["history"], key=lambda h: h["val_loss"])["epoch"]
+    for key, value in weights.items():  # the artifact: the best checkpoint's tensors and the upstream's
+        assert np.array_equal(value, kept[best][key] if key in kept[best] else upstream[key]), key

@@ -20,14 +20,16 @@ class ListReporter:
     reports: list[dict] = field(default_factory=list)
     states: list[dict] = field(default_factory=list)
     trainers: list[dict] = field(default_factory=list)
+    frozen: list[dict | None] = field(default_factory=list)  # per checkpoint: the entries named by digest
 
     def all_sum(self, values):
         return list(values)
 
-    def report(self, metrics, state, trainer=None):
+    def report(self, metrics, state, trainer=None, frozen=None):
         self.reports.append(dict(metrics))
         if state is not None:
             self.states.append(to_numpy_state(state))
+            self.frozen.append(dict(frozen) if frozen else None)
         if trainer is not None:
             self.trainers.append(copy.deepcopy(trainer))
 
