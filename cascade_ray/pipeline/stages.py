@@ -234,8 +234,9 @@ class StageSession:
         trainable, frozen_keys, frozen_params = stage_accounting(self.cfg, index, self.input_shape, self.out_width)
         referenced = weights.frozen_digests or {}
         if upstream is not None:
-            # independent of the worker's own per-epoch check: compare bits with the upstream (the entries
-            # a reference checkpoint named were compared by digest as they were read)
+            # compare bits with the upstream, independent of the worker's own per-epoch check; the entries a
+            # reference checkpoint named were compared as it was read: the worker's digests of its frozen
+            # tensors after the epoch's validation (taken just before the checkpoint) against the upstream's
             changed = frozen_changes({k: upstream.state[k] for k in frozen_keys if k not in referenced}, state)
             if changed:
                 raise FrozenDriftError(

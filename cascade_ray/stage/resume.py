@@ -88,8 +88,7 @@ def frozen_reference(
 ) -> dict[str, str] | None:
     """The frozen entries a ``train.checkpoint.frozen: reference`` checkpoint names by digest instead
     of holding (key -> digest): those of `state` still as they were before training (`now` ==
-    `before`; a drifted tensor stays in the file, so the driver's check against the upstream sees
-    it), and not bf16 (checkpoints widen bf16 to float32, which the upstream's own bytes would not
-    match). None when there are none."""
-    kept = {k: d for k, d in now.items() if before.get(k) == d and k in state and state[k].dtype != torch.bfloat16}
+    `before`). A drifted tensor stays in the file, so the driver's bit comparison with the upstream
+    sees it, as with ``copy``. None when there are none."""
+    kept = {k: d for k, d in now.items() if before.get(k) == d and k in state}
     return kept or None

@@ -178,7 +178,7 @@ def read_checkpoint(path: str | Path, upstream: Mapping[str, np.ndarray] | None 
     listed = path / CHECKPOINT_FROZEN
     if not listed.is_file():  # the file's one block as it was read (a ray.put moves one buffer)
         return CheckpointWeights(state, None)
-    recorded = json.loads(listed.read_text())["digests"]
+    recorded = _frozen_listing(listed)
     if upstream is None:
         raise CascadeError(
             f"checkpoint {path} names {len(recorded)} frozen upstream tensor(s) by digest "
@@ -192,13 +192,27 @@ def read_checkpoint(path: str | Path, upstream: Mapping[str, np.ndarray] | None 
         raise FrozenDriftError(
             f"checkpoint {path} was trained on frozen upstream tensors that the upstream artifact no longer "
             f"holds as they were ({len(changed)}: {shown}); its weights cannot be made whole from this upstream. "
-            "Train the stage again from its upstream: rerun without --resume (or with --overwrite), or delete "
-            "the stage's Ray run folder"
+            "Train the stage again from its upstream: rerun without --resume, or delete the stage's Ray run folder"
         )
     # a plain dict of the file's views and the upstream's (packing them into one block again would
     # copy the upstream: more than the one-block hand-off saves, docs/benchmarks.md P3)
     whole = dict(state) | {key: upstream[key] for key in recorded}
     return CheckpointWeights(whole, dict(sorted(recorded.items())))
+
+
+def _frozen_listing(path: Path) -> dict[str, str]:
+    """The key -> digest map of a checkpoint's ``frozen.json``, checked for its shape."""
+    try:
+        listing = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        listing = exc
+    digests = listing.get("digests") if isinstance(listing, dict) and listing.get("format") == 1 else None
+    if not isinstance(digests, dict) or not all(isinstance(d, str) for d in digests.values()):
+        raise CascadeError(
+            f'{path}: not a frozen-entry listing of format 1 ({{"format": 1, "digests": {{key: sha256}}}}); the '
+            "checkpoint was damaged or written by another tool. Delete the stage's Ray run folder to train it again"
+        )
+    return digests
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:

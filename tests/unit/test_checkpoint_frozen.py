@@ -90,12 +90,25 @@ def test_an_upstream_that_changed_since_the_checkpoint_is_refused_naming_the_ten
         read_checkpoint(folder)
 
 
-def test_only_unchanged_float_entries_are_named():
-    state = {"a": torch.zeros(2), "b": torch.ones(2), "c": torch.zeros(2, dtype=torch.bfloat16)}
+def test_only_unchanged_entries_are_named():
+    state = {"a": torch.zeros(2), "b": torch.ones(2)}
     before = {"a": "da", "b": "db", "c": "dc"}
-    # b drifted (it stays in the file for the driver's bit check); c is bf16 (widened when written)
+    # b drifted: it stays in the file for the driver's bit check; c is not in the state
     assert frozen_reference(state, before, {"a": "da", "b": "db2", "c": "dc"}) == {"a": "da"}
     assert frozen_reference(state, before, {"b": "db2"}) is None
+
+
+@pytest.mark.parametrize(
+    "listing",
+    ["{not json", '{"format": 2, "digests": {}}', '{"format": 1}', '{"format": 1, "digests": {"k": 3}}', "[]"],
+    ids=["not-json", "unknown-format", "no-digests", "digest-not-text", "not-an-object"],
+)
+def test_a_damaged_frozen_listing_is_an_error_naming_the_file(encoder, tmp_path, listing):
+    _, upstream, state, plan = encoder
+    folder = _checkpoint(tmp_path / "ckpt", state, state_digests(state, plan.frozen_keys))
+    (folder / CHECKPOINT_FROZEN).write_text(listing)
+    with pytest.raises(CascadeError, match=rf"{folder / CHECKPOINT_FROZEN}: not a frozen-entry listing"):
+        read_checkpoint(folder, upstream)
 
 
 @pytest.mark.parametrize(
