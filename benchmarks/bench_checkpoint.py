@@ -106,7 +106,7 @@ def main() -> int:
     from cascade_ray.api import RunOptions, run_pipeline
     from cascade_ray.checks import validate_config
     from cascade_ray.constants import apply_ray_env_defaults
-    from cascade_ray.hardware import cpu_model
+    from cascade_ray.hardware import hardware_line
     from cascade_ray.pipeline.artifacts import read_artifact
     from cascade_ray.storage import as_storage
 
@@ -139,11 +139,8 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         warm = run("copy")  # trains the backbone, caches its features, warms the head's Train job
-        print(
-            f"hardware: CPU {cpu_model()}, get_cpu_capability() {torch.backends.cpu.get_cpu_capability()}; "
-            f"torch {torch.__version__}, ray {ray.__version__}, 2 CPUs; storage {args.storage}",
-            flush=True,
-        )
+        print(hardware_line(), flush=True)
+        print(f"torch {torch.__version__}, ray {ray.__version__}, 2 CPUs; storage {args.storage}", flush=True)
         print(
             f"backbone 64 -> {args.width} -> {args.width}, head {args.width} -> 64 -> 10 for {args.epochs} epochs on its "
             f"cached features (feature cache: {'feature_cache' in warm}); set-up run {time.perf_counter() - t0:.1f} s (not timed)",
