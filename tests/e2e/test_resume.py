@@ -72,6 +72,22 @@ def _latest_epoch(storage: Path) -> int:
     return best
 
 
+def _snapshots_complete(storage: Path) -> bool:
+    """Every snapshot of stage 2's Ray runs parses (none is caught between its truncation and its write)."""
+    for snap in storage.glob("debug/ray/01-encoder-*/checkpoint_manager_snapshot.json"):
+        try:
+            json.loads(snap.read_text())
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+def _signal(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def _summary(storage: Path) -> dict:
     return json.loads((storage / "debug" / "summary.json").read_text())
 
@@ -93,17 +109,22 @@ def test_a_driver_killed_mid_stage_resumes_that_stage_and_ends_bit_identical(ref
     )
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while _latest_epoch(storage) < 2:
+        while True:
             assert proc.poll() is None, (
                 f"the run ended before the kill: {(tmp_path / 'killed.log').read_text()[-3000:]}"
             )
             assert time.monotonic() < deadline, "stage 2 did not checkpoint 2 epochs in time"
+            if _latest_epoch(storage) >= 2:
+                # Ray rewrites its snapshot in place (truncate, then write) after every checkpoint: stop
+                # the whole tree first, so the snapshot the kill leaves is the one looked at, complete
+                victims = _tree(proc.pid)
+                _signal(victims, signal.SIGSTOP)
+                if _snapshots_complete(storage) and _latest_epoch(storage) >= 2:
+                    break
+                _signal(victims, signal.SIGCONT)  # caught mid-write: let it finish, look again
             time.sleep(0.2)
-        victims = _tree(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
-        for pid in victims:  # Ray's own processes, wherever they went
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _signal(victims, signal.SIGKILL)  # Ray's own processes, wherever they went
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
