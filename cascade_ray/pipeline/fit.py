@@ -52,13 +52,21 @@ def _attempts(ray_dir: StorageDir, stage: StageConfig, index: int, fingerprint: 
     return prefix, taken
 
 
-def resumable_run(ray_dir: StorageDir, stage: StageConfig, index: int, fingerprint: str) -> tuple[str, int] | None:
+def resumable_run(
+    ray_dir: StorageDir,
+    stage: StageConfig,
+    index: int,
+    fingerprint: str,
+    on_skip: Callable[[str], None] | None = None,
+) -> tuple[str, int] | None:
     """The newest earlier Ray run of this exact stage (same fingerprint: config, upstream, data)
     that registered a checkpoint, and the epochs that checkpoint had done; None when there is none.
 
     Rerunning a Ray Train run under its ``(storage_path, name)`` restores it from its latest
     registered checkpoint (Ray's own convention), so ``--resume`` hands this name to
-    :func:`fit_stage` to continue an interrupted stage instead of retraining it.
+    :func:`fit_stage` to continue an interrupted stage instead of retraining it. When the newest
+    run exists but Ray cannot read it back, `on_skip` gets a line saying so and why (the stage
+    then trains from its start: progress is lost, and the user is told).
     """
     prefix, taken = _attempts(ray_dir, stage, index, fingerprint)
     if not taken:
@@ -66,12 +74,31 @@ def resumable_run(ray_dir: StorageDir, stage: StageConfig, index: int, fingerpri
     name = f"{prefix}-a{taken[-1]}"
     try:
         result = read_run_result(full_uri(ray_dir / name))
-    # no checkpoint snapshot (the run never got to one), or one naming a deleted checkpoint (save_last: false)
-    except (*unreadable_run_errors(), OSError, ValueError):
+    # no checkpoint snapshot (the run never got to one), a snapshot cut short (the driver killed while
+    # Ray rewrote it in place), or one naming a deleted checkpoint (save_last: false)
+    except (*unreadable_run_errors(), OSError, ValueError) as exc:
+        if on_skip is not None:
+            on_skip(
+                f"  stage {stage.name}: its interrupted Ray run {name} cannot be continued ({_unreadable(exc)}); "
+                "it trains from its first epoch in a new attempt"
+            )
         return None
     if result.checkpoint is None:
         return None
     return name, int((result.metrics or {}).get("epoch", 0))
+
+
+def _unreadable(exc: BaseException) -> str:
+    """Why Ray could not read a run folder back, for a user."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, json.JSONDecodeError):
+            return (
+                "its checkpoint snapshot is empty or cut short: the driver was most likely killed while Ray Train "
+                "rewrote it"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return f"Ray cannot read it back: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
 
 
 @dataclass(frozen=True)

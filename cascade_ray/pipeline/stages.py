@@ -163,7 +163,7 @@ class StageSession:
     def _resumable(self, index: int, fp: str) -> str | None:
         """The Ray run name that continues an interrupted stage `index` from its latest checkpoint."""
         stage = self.cfg.stages[index]
-        found = resumable_run(self.out / "ray", stage, index, fp)
+        found = resumable_run(self.out / "ray", stage, index, fp, on_skip=self.log)
         if found is None:
             return None
         name, done = found

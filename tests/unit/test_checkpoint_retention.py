@@ -124,3 +124,37 @@ def test_the_newest_is_dropped_on_object_storage_too(s3):
     )
     assert drop_last_checkpoint(result, "val_loss", "min", 1)
     assert s3.keys(base.split("/", 1)[1]) == [f"{base.split('/', 1)[1]}/checkpoint_2/weights"]
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "reason"),
+    [
+        (
+            "",
+            "its checkpoint snapshot is empty or cut short: the driver was most likely killed while Ray Train rewrote it",
+        ),
+        ('{"checkpoint_results": [', "its checkpoint snapshot is empty or cut short"),
+        (None, "Ray cannot read it back: "),
+    ],
+    ids=["empty", "cut-short", "none"],
+)
+def test_a_run_that_cannot_be_continued_is_said_so_not_skipped_silently(debug_raw, tmp_path, snapshot, reason):
+    """--resume's look at an interrupted stage: a Ray run folder Ray cannot read back (here, as a driver
+    SIGKILLed while Ray Train truncated and rewrote its snapshot leaves it) means training from the first
+    epoch, and the user is told which run and why."""
+    from cascade_ray.pipeline.fit import resumable_run
+
+    cfg = validate_config(debug_raw)
+    fp = "f" * 64
+    run = tmp_path / "ray" / f"01-encoder-{fp[:12]}-a1"
+    (run / "checkpoint_2026-12-07_05-45-49.457409").mkdir(parents=True)
+    if snapshot is not None:
+        (run / "checkpoint_manager_snapshot.json").write_text(snapshot)
+    said: list[str] = []
+    assert resumable_run(tmp_path / "ray", cfg.stages[1], 1, fp, on_skip=said.append) is None
+    assert len(said) == 1 and said[0].startswith(
+        f"  stage encoder: its interrupted Ray run {run.name} cannot be continued ("
+    )
+    assert reason in said[0] and said[0].endswith("it trains from its first epoch in a new attempt")
+    assert resumable_run(tmp_path / "ray", cfg.stages[1], 1, "0" * 64, on_skip=said.append) is None
+    assert len(said) == 1  # no earlier run of that fingerprint: nothing to say
