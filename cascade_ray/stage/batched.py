@@ -56,10 +56,10 @@ from cascade_ray.models.plan import remember_plans
 from cascade_ray.solver import EarlyStopping, clip_gradients
 from cascade_ray.stage.batched_resume import ResumeWriter, read_resume
 from cascade_ray.stage.grouped import GROUP_SIZE, GroupedSteps
-from cascade_ray.stage.loop import Reporter
+from cascade_ray.stage.loop import Reporter, checkpoint_frozen
 from cascade_ray.stage.monitor import HealthMonitor
 from cascade_ray.stage.progress import format_trial
-from cascade_ray.stage.resume import frozen_reference, restore_trainer_state, trainer_state
+from cascade_ray.stage.resume import restore_trainer_state, trainer_state
 from cascade_ray.stage.setup import StageSetup, setup_stage, stage_seed
 from cascade_ray.stage.startup import StartupClock
 from cascade_ray.storage import as_storage
@@ -249,10 +249,10 @@ def run_batched(
     winner = replicas[best]
     state = winner.setup.model.state_dict() | (winner.best_own or {})
     metrics = dict(winner.history[winner.best_epoch - 1]) | {"replica": best}
-    frozen = None  # train.checkpoint.frozen: reference: the unchanged frozen upstream is named, not written
-    if reporter.rank == 0 and cfgs[0].stages[index].train.checkpoint.frozen == "reference" and winner.digest:
-        frozen = frozen_reference(state, winner.digest, frozen_digest(winner.setup.model, winner.setup.plan))
-    reporter.report(metrics, state if reporter.rank == 0 else None, frozen=frozen)
+    if reporter.rank == 0:  # the unchanged frozen upstream named by digest, as a lone stage's checkpoints do
+        reporter.report(metrics, state, frozen=checkpoint_frozen(winner.setup, state, winner.digest))
+    else:
+        reporter.report(metrics, None)
     return BatchedOutcome(
         [r.history for r in replicas],
         [r.error for r in replicas],

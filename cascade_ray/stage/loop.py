@@ -426,13 +426,17 @@ def _report(
         history=history,
         optimizer_state=optimizer_state,
     )
-    reporter.report(metrics, model_state, resumable, frozen=_frozen_reference(setup, model_state, *frozen))
+    reporter.report(metrics, model_state, resumable, frozen=checkpoint_frozen(setup, model_state, *frozen))
 
 
-def _frozen_reference(
-    setup: StageSetup, model_state: Mapping[str, torch.Tensor], before: dict[str, str], now: dict[str, str] | None
+def checkpoint_frozen(
+    setup: StageSetup,
+    model_state: Mapping[str, torch.Tensor],
+    before: dict[str, str],
+    now: dict[str, str] | None = None,
 ) -> dict[str, str] | None:
-    """What the checkpoint names by digest (``train.checkpoint.frozen: reference``), else None."""
+    """What rank 0's checkpoint of `model_state` names by digest (``train.checkpoint.frozen: reference``),
+    else None; `now`: the frozen digests already taken for these weights (None: hashed here)."""
     if setup.stage.train.checkpoint.frozen != "reference" or not before:
         return None
     return frozen_reference(model_state, before, now if now is not None else frozen_digest(setup.model, setup.plan))

@@ -115,6 +115,8 @@ def test_the_report_is_the_best_replicas_best_epoch(inputs, lone_runs, digits):
     (state,) = reporter.states
     for key, value in lone.states[epoch].items():
         np.testing.assert_allclose(state[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    # its checkpoint names the frozen upstream by digest, as each of the lone stage's checkpoints does
+    assert reporter.frozen == [lone.frozen[epoch]] and lone.frozen[epoch]
 
 
 # -- what cannot be batched is refused before Ray starts, naming the key and the plain sweep --
