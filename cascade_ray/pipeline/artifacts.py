@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +64,12 @@ def as_storage_dir(directory: str | StorageDir) -> StorageDir:
     return parse_uri(str(directory)) or Path(directory)
 
 
-def _complete(fields: ManifestFields, weights: Path, state: NumpyState) -> Manifest:
+def _complete(fields: ManifestFields, weights: Path, state: NumpyState, known: Mapping[str, str]) -> Manifest:
     with ThreadPoolExecutor(1, thread_name_prefix="cascade-file-hash") as pool:  # the file hashed while the tensors are
         file_hash = pool.submit(file_sha256, weights)
-        digests = state_digests(state)
+        hashed = state_digests(state, [k for k in state if k not in known])
         sha = file_hash.result()
+    digests = {k: hashed[k] if k in hashed else known[k] for k in sorted(state)}
     return seal_manifest(
         Manifest(
             **fields.model_dump(),
@@ -79,17 +81,25 @@ def _complete(fields: ManifestFields, weights: Path, state: NumpyState) -> Manif
     )
 
 
-def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: ManifestFields) -> Artifact:
-    """Write weights and manifest to a temp folder, then rename it into place (locally)."""
+def write_artifact(
+    directory: str | StorageDir, state: NumpyState, manifest: ManifestFields, *, known: Mapping[str, str] | None = None
+) -> Artifact:
+    """Write weights and manifest to a temp folder, then rename it into place (locally).
+
+    `known`: digests the caller already took of these very arrays of `state` (a stage's frozen
+    upstream, checked as the checkpoint was read); the manifest takes them instead of hashing
+    those entries again. A wrong one makes an artifact that :func:`read_artifact` refuses.
+    """
     final = as_storage_dir(directory)
+    known = known or {}
     if isinstance(final, UriPath):
-        return _write_uri(final, state, manifest)
+        return _write_uri(final, state, manifest, known)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_safetensors(state, tmp / WEIGHTS)
-    full = _complete(manifest, tmp / WEIGHTS, state)
+    full = _complete(manifest, tmp / WEIGHTS, state, known)
     (tmp / MANIFEST).write_text(manifest_text(full))
     if final.exists():
         # keep the previous artifact until the new one is complete, then swap
@@ -102,12 +112,12 @@ def write_artifact(directory: str | StorageDir, state: NumpyState, manifest: Man
     return Artifact(final, full)
 
 
-def _write_uri(final: UriPath, state: NumpyState, manifest: ManifestFields) -> Artifact:
+def _write_uri(final: UriPath, state: NumpyState, manifest: ManifestFields, known: Mapping[str, str]) -> Artifact:
     """Manifest last: without a rename, a missing manifest is what marks an incomplete artifact."""
     with tempfile.TemporaryDirectory(prefix="cascade-ray-artifact-") as tmp:
         weights = Path(tmp) / WEIGHTS
         save_safetensors(state, weights)
-        full = _complete(manifest, weights, state)
+        full = _complete(manifest, weights, state, known)
         (final / MANIFEST).unlink(missing_ok=True)
         with weights.open("rb") as src, (final / WEIGHTS).open("wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +51,9 @@ class Handoff:
     state: NumpyState
     ref: ray.ObjectRef
     fingerprint: str
+    digests: Mapping[str, str] | None = None
+    """Every tensor's digest, as the stage's artifact manifest records them: taken from `state` as it
+    was written, or checked against it as it was read. None: unknown (hashed where needed)."""
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,11 @@ class StageSession:
         best = result.get_best_checkpoint(metric, mode)
         with best.as_directory() as ckpt:
             # a reference checkpoint's frozen entries come from the upstream, their recorded digests checked
-            weights = read_checkpoint(ckpt, upstream.state if upstream is not None else None)
+            weights = (
+                read_checkpoint(ckpt, upstream.state, upstream.digests)
+                if upstream is not None
+                else read_checkpoint(ckpt)
+            )
             state = weights.state
             metrics = json.loads((Path(ckpt) / CHECKPOINT_STATE).read_text())
             nodes_file = Path(ckpt) / CHECKPOINT_NODES  # where the workers ran (a Tune trial's too)
@@ -270,6 +277,7 @@ class StageSession:
             state,
             fields,
             "trained",
+            frozen_digests,  # what the artifact's tensor digests need hashed: only what the stage trained
             started,
             feature_cache=cache.record() if cache is not None else None,
             resumed_from_epoch=outcome.get("resumed_from_epoch"),
@@ -280,11 +288,21 @@ class StageSession:
         return done
 
     def _persist(
-        self, index: int, state: NumpyState, fields: ManifestFields, status: str, started: float, **extra: Any
+        self,
+        index: int,
+        state: NumpyState,
+        fields: ManifestFields,
+        status: str,
+        known: Mapping[str, str],
+        started: float,
+        **extra: Any,
     ) -> tuple[dict[str, Any], Handoff]:
-        """Write stage `index`'s artifact; its record (`extra`: the record's own optional fields) and hand-off."""
+        """Write stage `index`'s artifact; its record (`extra`: the record's own optional fields) and hand-off.
+
+        `known`: digests of entries of `state` already taken from these very arrays, not hashed again.
+        """
         stage = self.cfg.stages[index]
-        artifact = write_artifact(self.artifact_dir(index), state, fields)
+        artifact = write_artifact(self.artifact_dir(index), state, fields, known=known)
         record = StageRecord.from_manifest(
             artifact.manifest,
             name=stage.name,
@@ -294,7 +312,8 @@ class StageSession:
             artifact=str(artifact.path),
             **extra,
         ).to_json()
-        return record, Handoff(state, ray.put(state), fields.fingerprint)  # one put; every next-stage worker reads it
+        # one put; every next-stage worker reads it
+        return record, Handoff(state, ray.put(state), fields.fingerprint, artifact.manifest.tensor_digests)
 
     def _import(
         self, index: int, upstream: Handoff | None, *, fp: str, started: float
@@ -330,7 +349,7 @@ class StageSession:
             frozen_digest=state_digests(state),  # all of it: an imported stage trains nothing
             data_spec=self.data_spec or None,
         )
-        return self._persist(index, state, fields, "imported", started)
+        return self._persist(index, state, fields, "imported", fields.frozen_digest, started)
 
     def _reuse(self, index: int, fp: str) -> tuple[dict[str, Any], Handoff] | None:
         """The stored artifact when its fingerprint matches and it verifies; None to retrain."""
@@ -348,4 +367,4 @@ class StageSession:
         record = StageRecord.from_manifest(
             manifest, name=stage.name, type=stage.type, status="reused", wall_s=0.0, artifact=str(path)
         ).to_json()
-        return record, Handoff(state, ray.put(state), fp)
+        return record, Handoff(state, ray.put(state), fp, manifest.tensor_digests)

@@ -161,12 +161,17 @@ class CheckpointWeights:
     frozen_digests: dict[str, str] | None
 
 
-def read_checkpoint(path: str | Path, upstream: Mapping[str, np.ndarray] | None = None) -> CheckpointWeights:
+def read_checkpoint(
+    path: str | Path,
+    upstream: Mapping[str, np.ndarray] | None = None,
+    upstream_digests: Mapping[str, str] | None = None,
+) -> CheckpointWeights:
     """Weights (numpy state dict) of a stage checkpoint directory, whole.
 
     A ``reference`` checkpoint (``frozen.json``) holds only what its stage trains; the frozen
     entries it names come from `upstream` (the upstream's hand-off), once their digests match
-    those the worker recorded.
+    those the worker recorded. `upstream_digests`: the upstream's tensor digests as its verified
+    artifact manifest records them (the driver's hand-off), used instead of hashing it again.
 
     Raises:
         FrozenDriftError: naming the entries, when `upstream` lacks one or holds other bytes than the
@@ -185,7 +190,11 @@ def read_checkpoint(path: str | Path, upstream: Mapping[str, np.ndarray] | None 
             "(train.checkpoint.frozen: reference), but no upstream state was given to take them from"
         )
     absent = sorted(k for k in recorded if k not in upstream)
-    actual = state_digests(upstream, [k for k in recorded if k in upstream])
+    known = upstream_digests or {}
+    present = [k for k in recorded if k in upstream]
+    actual = state_digests(upstream, [k for k in present if k not in known]) | {
+        k: known[k] for k in present if k in known
+    }
     changed = absent + sorted(k for k, d in actual.items() if recorded[k] != d)
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")

@@ -135,3 +135,27 @@ def test_an_s3_file_the_block_cannot_view_is_downloaded_and_read_by_safetensors(
     (stage / MANIFEST).write_text(manifest_text(seal_manifest(Manifest.model_validate(fields))))
     _, got = read_artifact(uri)
     assert type(got) is dict and got["w"].tolist() == [1.5, -2.0] and got["b"].tolist() == [3]
+
+
+def test_known_digests_are_taken_instead_of_hashing_those_entries_again(tmp_path, monkeypatch):
+    from cascade_ray.pipeline import artifacts
+
+    state = _state()
+    plain = write_artifact(tmp_path / "plain", state, manifest_fields("a")).manifest
+    hashed: list[list[str]] = []
+    real = artifacts.state_digests
+    monkeypatch.setattr(
+        artifacts,
+        "state_digests",
+        lambda s, keys=None: hashed.append(sorted(s if keys is None else keys)) or real(s, keys),
+    )
+    known = {"blocks.a.w": plain.tensor_digests["blocks.a.w"], "not-in-the-state": "0" * 64}
+    written = write_artifact(tmp_path / "known", state, manifest_fields("a"), known=known).manifest
+    assert hashed == [["blocks.a.bn.running_mean", "n"]]  # only what was not known
+    assert written.tensor_digests == plain.tensor_digests and list(written.tensor_digests) == sorted(state)
+    assert written.weights_sha256 == plain.weights_sha256
+    read_artifact(tmp_path / "known")  # verifies
+    # a wrong digest handed in is not trusted silently: the artifact does not verify
+    write_artifact(tmp_path / "wrong", state, manifest_fields("a"), known={"n": "0" * 64})
+    with pytest.raises(ArtifactError, match="tensor digests differ"):
+        read_artifact(tmp_path / "wrong")

@@ -90,6 +90,26 @@ def test_an_upstream_that_changed_since_the_checkpoint_is_refused_naming_the_ten
         read_checkpoint(folder)
 
 
+def test_the_upstreams_verified_digests_stand_in_for_hashing_it(encoder, tmp_path, monkeypatch):
+    from cascade_ray.stage import worker
+
+    _, upstream, state, plan = encoder
+    frozen = state_digests(state, plan.frozen_keys)
+    folder = _checkpoint(tmp_path / "ckpt", state, frozen)
+    hashed: list[list[str]] = []
+    real = worker.state_digests
+    monkeypatch.setattr(worker, "state_digests", lambda s, keys: hashed.append(sorted(keys)) or real(s, keys))
+    known = state_digests(upstream)  # what the upstream's artifact manifest records
+    assert read_checkpoint(folder, upstream, known).frozen_digests == frozen
+    partly = {k: d for k, d in known.items() if k != plan.frozen_keys[0]}
+    assert read_checkpoint(folder, upstream, partly).frozen_digests == frozen
+    assert hashed == [[], [plan.frozen_keys[0]]]  # only the entry whose digest was not given
+    # the given digests decide: one that differs from the recorded is drift, named
+    key = plan.frozen_keys[-1]
+    with pytest.raises(FrozenDriftError, match=key):
+        read_checkpoint(folder, upstream, known | {key: "0" * 64})
+
+
 def test_only_unchanged_entries_are_named():
     state = {"a": torch.zeros(2), "b": torch.ones(2)}
     before = {"a": "da", "b": "db", "c": "dc"}
@@ -171,6 +191,28 @@ def test_finish_writes_the_whole_stage_from_a_reference_checkpoint(encoder, digi
     assert set(weights) == set(state)
     assert all(np.array_equal(weights[k], v) for k, v in state.items())
     assert artifact.manifest.frozen_digest == state_digests(upstream, plan.frozen_keys)
+
+
+def test_finish_hashes_only_what_the_stage_trained_when_the_upstream_digests_are_known(
+    encoder, digits, tmp_path, monkeypatch
+):
+    from cascade_ray.models import weights as weights_module
+
+    monkeypatch.setattr(ray, "put", lambda value: "ref")
+    cfg, upstream, state, plan = encoder
+    folder = _checkpoint(tmp_path / "ckpt", state, state_digests(state, plan.frozen_keys))
+    handoff = Handoff(upstream, "up-ref", "p" * 64, state_digests(upstream))  # as the driver's hand-off carries them
+    calls = []
+    real = weights_module.tensor_digest
+    monkeypatch.setattr(weights_module, "tensor_digest", lambda t: calls.append(1) or real(t))
+    record, done = _session(cfg, digits, tmp_path).finish(
+        1, handoff, _Result(folder), fp="f" * 64, run_name="01-encoder-x-a1", started=0.0
+    )
+    assert len(calls) == len(state) - len(plan.frozen_keys)  # the frozen upstream: hashed neither to check nor to write
+    monkeypatch.undo()
+    artifact, weights = read_artifact(record["artifact"])  # verified: sha256 and every tensor digest
+    assert all(np.array_equal(weights[k], v) for k, v in state.items())
+    assert done.digests == artifact.manifest.tensor_digests == state_digests(state)
 
 
 def test_finish_refuses_a_reference_checkpoint_of_another_upstream(encoder, digits, tmp_path, monkeypatch):
