@@ -40,11 +40,13 @@ from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import (
     STARTUP_FILE,
+    encoded_keys,
     explain_reference,
     outside_space,
     param_space,
     reference_values,
     search_algorithm,
+    stage_values,
     trial_config,
 )
 
@@ -143,7 +145,7 @@ def sample_values(cfg: PipelineConfig, space: TuneSpace) -> list[dict[str, Any]]
         spec = {"run": _not_run, "config": param_space(space), "num_samples": space.num_samples, "storage_path": tmp}
         generator.add_configurations({"batched": spec})
         while (trial := generator.next_trial()) is not None:
-            values.append({key: trial.config[key] for key in space.space})
+            values.append(stage_values(encoded_keys(space), {key: trial.config[key] for key in space.space}))
     return values
 
 

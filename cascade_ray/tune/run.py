@@ -25,7 +25,7 @@ from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
 from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.state import write_state
-from cascade_ray.tune.sweep import build_tuner, explain_reference, trial_config
+from cascade_ray.tune.sweep import build_tuner, encoded_keys, explain_reference, stage_values, trial_config
 
 CONFIG_PREFIX = "config/"
 
@@ -120,11 +120,14 @@ def sweep_stage(
         )
     frame = frame.sort_values(space.metric, ascending=space.mode == "min").reset_index(drop=True)
     keep = ["trial_id", space.metric, "epoch", *[c for c in frame.columns if c.startswith(CONFIG_PREFIX)]]
-    table = frame[[c for c in keep if c in frame.columns]]
+    table = frame[[c for c in keep if c in frame.columns]].copy()
+    for key in encoded_keys(space) & {c[len(CONFIG_PREFIX) :] for c in table.columns}:  # the values again, not text
+        column = CONFIG_PREFIX + key
+        table[column] = [stage_values(frozenset({key}), {key: v})[key] for v in table[column]]
     results_path = exp_dir / "results.parquet"
     write_table(pa.Table.from_pandas(table, preserve_index=False), results_path)
     best = grid.get_best_result(metric=space.metric, mode=space.mode, scope="all")
-    values = {k: best.config[k] for k in space.space}
+    values = stage_values(encoded_keys(space), {k: best.config[k] for k in space.space})
     best_yaml = exp_dir / "best.yaml"
     best_yaml.write_text(
         f"# best of {len(frame)} trials of stage {space.stage!r} by {space.metric} ({space.mode})\n"

@@ -41,6 +41,36 @@ INPUTS_FILE = "inputs.json"
 STARTUP_FILE = "startup.json"  # the trial fit's start-up phases (cascade_ray/stage/startup.py)
 
 
+def encoded_keys(space: TuneSpace) -> frozenset[str]:
+    """Space keys whose ``choice`` / ``grid`` values include a list or a mapping (``model.hidden:
+    {choice: [[32], [64]]}``, ``solver.betas``): Tune gets each such value as its JSON text.
+
+    Ray Tune's variant generator walks into a list or dict it is handed as a preset value (the
+    first trial's, ``evaluate_current``) as if it were nested search space, and fails on it; a
+    text is one value to it. :func:`stage_values` turns what Tune hands back into the values again.
+    """
+    return frozenset(
+        key
+        for key, d in space.space.items()
+        if d.kind() in ("choice", "grid") and any(isinstance(v, (list, dict)) for v in d.values())
+    )
+
+
+def _as_text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def tune_values(space: TuneSpace, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (stage values by space key) as Tune samples them (:func:`encoded_keys`)."""
+    encoded = encoded_keys(space)
+    return {k: _as_text(v) if k in encoded else v for k, v in values.items()}
+
+
+def stage_values(encoded: frozenset[str], values: dict[str, Any]) -> dict[str, Any]:
+    """A trial's values as Tune sampled them, as stage values again (the inverse of :func:`tune_values`)."""
+    return {k: json.loads(v) if k in encoded and isinstance(v, str) else v for k, v in values.items()}
+
+
 def param_space(space: TuneSpace) -> dict[str, Any]:
     """Tune's search space; keys are the stage's dotted config keys."""
     make = {
@@ -50,12 +80,18 @@ def param_space(space: TuneSpace) -> dict[str, Any]:
         "choice": tune.choice,
         "grid": tune.grid_search,
     }
-    return {key: make[d.kind()](d.values()) for key, d in space.space.items()}
+    encoded = encoded_keys(space)
+    return {
+        key: make[d.kind()]([_as_text(v) for v in d.values()] if key in encoded else d.values())
+        for key, d in space.space.items()
+    }
 
 
 def reference_values(cfg: PipelineConfig, space: TuneSpace) -> dict[str, Any] | None:
-    """The first trial's values: the stage's configured ones (random search with ``evaluate_current``)."""
-    return current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
+    """The first trial's values, as Tune takes them (:func:`tune_values`): the stage's configured
+    ones (random search with ``evaluate_current``)."""
+    current = current_values(cfg, space) if space.evaluate_current and space.search == "random" else None
+    return tune_values(space, current) if current is not None else None
 
 
 def outside_space(space: TuneSpace, reference: dict[str, Any] | None) -> dict[str, str]:
@@ -76,7 +112,8 @@ def outside_space(space: TuneSpace, reference: dict[str, Any] | None) -> dict[st
 
 def reference_note(space: TuneSpace, space_file: str, reference: dict[str, Any], outside: dict[str, str]) -> str:
     """What cascade-ray logs when the first trial's configured values lie outside the space."""
-    values = "; ".join(f"{key}={reference[key]!r} (space: {dist})" for key, dist in outside.items())
+    shown = stage_values(encoded_keys(space), reference)
+    values = "; ".join(f"{key}={shown[key]!r} (space: {dist})" for key, dist in outside.items())
     return (
         f"sweep of {space.stage!r}: the first trial runs the stage's configured {values}, outside the space, "
         f"as the baseline the sweep must beat (evaluate_current: true); set evaluate_current: false in "
@@ -142,15 +179,17 @@ def _run_trial(
     stream: Any = None,
     tracking: TrackingContext | None = None,
     plans: dict[Any, Any] | None = None,
+    encoded: frozenset[str] = frozenset(),
 ) -> None:
     """One trial (runs in a Tune trial actor); `stream`: the streamed data or streamed cache it trains on;
     `tracking`: the pipeline run's trackers (the trial's rank 0 opens its own run, ``<stage> trial <id>``);
-    `plans`: the driver's shape plans (:func:`~cascade_ray.models.plan.known_plans`)."""
+    `plans`: the driver's shape plans (:func:`~cascade_ray.models.plan.known_plans`); `encoded`: the
+    keys Tune samples as JSON text (:func:`encoded_keys`)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     remember_plans(plans)  # a trial of solver values has its base's plans: neither it nor its workers plan
 
-    cfg = trial_config(validate_config(base, preflight=False), stage, config)
+    cfg = trial_config(validate_config(base, preflight=False), stage, stage_values(encoded, config))
     index = cfg.stage_index(stage)
     trial_id = tune.get_context().get_trial_id()
     data_ref, upstream_ref, features_ref = refs.get("data"), refs.get("upstream"), refs.get("features")
@@ -275,6 +314,7 @@ def build_tuner(
         stream=stream,
         tracking=tracking,
         plans=known_plans(),
+        encoded=encoded_keys(space),
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     show_progress = (options or RunOptions()).show_progress  # not with --log-level warning
