@@ -72,7 +72,11 @@ def batch_issues(
     """Why `space` cannot run batched on `cfg` (empty: it can); each fix names the plain sweep,
     as a command with `config_arg` (the config and overrides the user passed) in it."""
     plain = f"run it as Tune trials: cascade-ray tune {config_arg} --space {shlex.quote(space_file)}" + (
-        " (set batched: false in the space file)" if space.batched else " (without --batched)"
+        f" (set mode: {space.mode} instead of mode: batched in the space file)"
+        if space.batched_by_mode
+        else " (set batched: false in the space file)"
+        if space.batched
+        else " (without --batched)"
     )
     issues = []
     index = cfg.stage_index(space.stage)

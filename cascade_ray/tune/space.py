@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from cascade_ray.checks import validate_config
@@ -89,6 +89,20 @@ class TuneSpace(_Strict):
         "for a stage on cached features whose space varies only solver.*, loss.* values and seed, with scheduler "
         "fifo and search random or grid; anything else is refused before Ray starts.",
     )
+
+    _batched_by_mode: bool = PrivateAttr(False)
+
+    @property
+    def batched_by_mode(self) -> bool:
+        """The file asked for the batched sweep with the short form ``mode: batched``."""
+        return self._batched_by_mode
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_short_form(cls, raw: Any, handler: Any) -> TuneSpace:
+        space = handler(raw)
+        space._batched_by_mode = isinstance(raw, dict) and raw.get("mode") == "batched"
+        return space
 
     @model_validator(mode="before")
     @classmethod

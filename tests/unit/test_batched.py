@@ -221,6 +221,16 @@ def test_mode_batched_is_the_short_form_of_batched_true(tmp_path, inputs):
     ) as caught:
         load_space(space("mode: batched\nbatched: false\n"), cfg)
     assert [i.path for i in caught.value.issues] == ["mode"]
+    # a short-form space that cannot run batched: its fix says what to write instead of mode: batched
+    unbatchable = tmp_path / "unbatchable.yaml"
+    unbatchable.write_text(
+        f"stage: classifier\nmode: batched\n{FIFO}space: {{model.dropout: {{choice: [0.0, 0.1]}}}}\n"
+    )
+    assert (
+        load_space(unbatchable, cfg).batched_by_mode and not load_space(space("batched: true\n"), cfg).batched_by_mode
+    )
+    with pytest.raises(ConfigError, match="set mode: max instead of mode: batched in the space file"):
+        stage_runners(cfg, RunOptions(spaces=(("classifier", str(unbatchable)),)))
 
 
 def test_a_seed_sweep_is_batched_and_varies_the_initialization_only(tmp_path, inputs, digits):
