@@ -72,6 +72,8 @@ class StageSetup:
         compiled: the torch.compile state when ``stages[i].compile`` is true, else None.
         criterion: the training loss module (``stages[i].loss.type``), eval_loss the same
             without label smoothing; target_kind and out_width describe what the heads predict.
+        checkpointed_blocks: the blocks ``train.activation_checkpointing`` recomputes in backward
+            (0: off).
     """
 
     stage: StageConfig
@@ -94,6 +96,7 @@ class StageSetup:
     eval_loss: nn.Module
     target_kind: str
     out_width: int
+    checkpointed_blocks: int = 0
 
     def precision_line(self) -> str:
         """``features: precision auto -> fp32 (CPU AVX2: bf16 would be emulated); memory format ...``"""
@@ -103,7 +106,10 @@ class StageSetup:
             if choice is not None
             else f"{self.stage.name}: precision {self.precision.name}"
         )
-        return f"{head}; memory format {self.memory_format} ({self.memory_format_reason})"
+        line = f"{head}; memory format {self.memory_format} ({self.memory_format_reason})"
+        if self.checkpointed_blocks:
+            line += f"; activation checkpointing: {self.checkpointed_blocks} blocks recomputed in backward"
+        return line
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -177,9 +183,11 @@ def setup_stage(
         # converts everything, and converting a frozen 4-d conv weight makes it a private copy
         # (a format change cannot be a view), still frozen and still in the digest
         own.to(memory_format=torch.channels_last)
-    if stage.train.activation_checkpointing:
-        for block in _trained_blocks(model, cfg, index):
-            checkpoint_blocks(block)
+    checkpointed = (
+        sum(checkpoint_blocks(block) for block in _trained_blocks(model, cfg, index))
+        if stage.train.activation_checkpointing
+        else 0
+    )
     compiled = _compile(model, stage, path, device) if stage.compile else None
     sharded = stage.scaling.strategy == "fsdp" and world > 1 and shard
     if sharded:  # after every in-place change, before the optimizer: the trainable Parameters become DTensors
@@ -221,6 +229,7 @@ def setup_stage(
         eval_loss=build_loss(stage.loss, data.target_kind, training=False, trusted=cfg.trusted_modules),
         target_kind=data.target_kind,
         out_width=data.out_width,
+        checkpointed_blocks=checkpointed,
     )
 
 

@@ -71,6 +71,13 @@ def test_fsdp_on_one_worker_and_on_several_is_a_valid_config(debug_raw):
     assert [s.scaling.strategy for s in cfg.stages] == ["fsdp", "fsdp", "ddp"]
 
 
+def test_fsdp_with_fp16_on_one_worker_is_valid(debug_raw):
+    """One worker runs fsdp unsharded: its one loss scaler sees every gradient, as under ddp."""
+    debug_raw["stages"][1]["scaling"] |= {"strategy": "fsdp", "num_workers": 1}
+    debug_raw["stages"][1].setdefault("solver", {})["precision"] = "fp16"
+    assert validate_config(debug_raw, preflight=False).stages[1].solver.precision == "fp16"
+
+
 def test_fsdp_on_a_stage_without_parameters_is_refused(debug_raw):
     debug_raw["stages"][1]["scaling"]["strategy"] = "fsdp"
     debug_raw["stages"][1]["head"] = {"type": "none"}
@@ -141,8 +148,9 @@ def test_checkpointing_refuses_a_module_without_blocks():
         checkpoint_blocks(nn.Sequential(nn.Linear(2, 2)))
 
 
-def test_a_stage_trains_the_same_with_and_without_checkpointing(debug_raw, digits):
-    """In-process run_stage (no Ray) of the ResNet stage for 5 steps: identical reports."""
+def test_a_stage_trains_the_same_with_and_without_checkpointing(debug_raw, digits, capsys):
+    """In-process run_stage (no Ray) of the ResNet stage for 5 steps: identical reports; the stage's
+    set-up line says when its blocks are checkpointed."""
     debug_raw["stages"][0]["train"] |= {"epochs": 1, "max_steps": 5, "sanity_val_steps": 0}
     debug_raw["stages"][0]["solver"]["precision"] = "fp32"
     debug_raw["stages"][0]["health"] = {"interval": 1}  # grad norms and update ratios measured too
@@ -151,6 +159,8 @@ def test_a_stage_trains_the_same_with_and_without_checkpointing(debug_raw, digit
         debug_raw["stages"][0]["train"]["activation_checkpointing"] = on
         reporter = ListReporter()
         run_stage(validate_config(debug_raw), 0, digits, None, reporter, torch.device("cpu"))
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("features: precision")]
+        assert len(said) == 1 and ("activation checkpointing: " in said[0]) == on, said
         (report,) = reporter.reports
         reports.append({k: v for k, v in report.items() if k != "samples_per_s"})
     assert reports[0].keys() == reports[1].keys()
