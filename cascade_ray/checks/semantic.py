@@ -422,7 +422,7 @@ def _fsdp_issues(stage: StageConfig, path: str) -> list[ConfigIssue]:
             )
         )
     solver_path = path.rsplit(".", 1)[0] + ".solver"
-    if stage.solver.precision == "fp16":
+    if stage.solver.precision == "fp16" and stage.scaling.num_workers > 1:  # one worker: unsharded, one scaler
         issues.append(
             ConfigIssue(
                 key,
