@@ -193,7 +193,7 @@ def next_steps(run: str, *, tensorboard: str | None = None) -> list[str]:
     quoted = shlex.quote(run)
     steps = [
         f"cascade-ray report {quoted}",
-        f"cascade-ray predict {quoted} --data FILE --out FILE",
+        f"cascade-ray predict {quoted} --data FILE --out DIR",
         f"cascade-ray serve {quoted}",
         f"cascade-ray export {quoted}",
     ]

@@ -151,7 +151,7 @@ def test_next_steps_name_the_run_and_tensorboard_only_when_written(tmp_path, mon
     run = str(tmp_path / "with")
     assert next_steps(run, tensorboard=str(events)) == [
         f"cascade-ray report {run}",
-        f"cascade-ray predict {run} --data FILE --out FILE",
+        f"cascade-ray predict {run} --data FILE --out DIR",
         f"cascade-ray serve {run}",
         f"cascade-ray export {run}",
         f"tensorboard --logdir {run}/tensorboard",
