@@ -24,7 +24,7 @@ Generated from `cascade_ray/config/schema.py` by `python -m cascade_ray.config.r
 do not edit by hand (a test fails when this file is stale). Unknown keys and wrong types
 are errors; `stages[i]` keys below apply to every stage. A `model` section also takes the
 keyword arguments of its model type (builtins: `resnet`, `transformer`, `mlp` in
-`cascade_ray/models/`).
+`cascade_ray/models/`). The keys of a Tune space file (`--space`) are in `docs/tune_spaces.md`.
 """
 
 
@@ -61,8 +61,8 @@ def _default(field: Any) -> str:
     return f"`{field.default!r}`" if field.default is not None else "`null`"
 
 
-def _section(model: type[BaseModel], prefix: str, out: list[str], seen: set[str]) -> None:
-    title = prefix or "top level"
+def _section(model: type[BaseModel], prefix: str, out: list[str], seen: set[str], top: str = "top level") -> None:
+    title = prefix or top
     out += [
         f"## `{title}`",
         "",
@@ -79,7 +79,8 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], seen: set[str]
         out.append(f"| `{key}` | {kind} | {_default(field)} | {description} |")
         sub = _model_in(field.annotation)
         if sub is not None:
-            nested.append((sub, key + ("[i]" if typing.get_origin(field.annotation) is list else "")))
+            origin = typing.get_origin(field.annotation)
+            nested.append((sub, key + ("[i]" if origin is list else ".<key>" if origin is dict else "")))
     out.append("")
     for sub, key in nested:
         if key not in seen:
@@ -87,11 +88,16 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], seen: set[str]
             _section(sub, key, out, seen)
 
 
+def render_model(model: type[BaseModel], header: str, top: str = "top level") -> str:
+    """`model`'s fields and those of the models inside it, as markdown tables after `header`."""
+    out = [header]
+    _section(model, "", out, set(), top)
+    return "\n".join(out).rstrip() + "\n"
+
+
 def render() -> str:
     """The whole reference as markdown."""
-    out = [HEADER]
-    _section(PipelineConfig, "", out, set())
-    return "\n".join(out).rstrip() + "\n"
+    return render_model(PipelineConfig, HEADER)
 
 
 if __name__ == "__main__":
