@@ -194,6 +194,7 @@ def run_batched(
     save: Callable[[int, list[dict[str, Any]]], None] | None = None,
     fault: Callable[[int], None] | None = None,
     group_size: int = GROUP_SIZE,
+    names: list[str] | None = None,
 ) -> BatchedOutcome:
     """Train stage `index` of every config in `cfgs` at once (:func:`train_replicas`), then report
     the best replica.
@@ -203,11 +204,13 @@ def run_batched(
     is best, as Tune's ``get_best_result(scope="all")`` picks a trial.
 
     `tracking` (rank 0, ``loggers:``): the driver's tracking context; each replica's epoch rows
-    then go live to its own trial run (``<stage> trial replica-<k>``, tagged with `nodes`), which
+    then go live to its own trial run (``<stage> trial <name>``, tagged with `nodes`), which
     ends FAILED when a health rule failed the replica or the job raised. `clock` gets the
-    ``setup`` and ``first_step`` marks; `resume`, `save`, `fault` and `group_size` as :func:`train_replicas`.
+    ``setup`` and ``first_step`` marks; `resume`, `save`, `fault`, `group_size` and `names` as
+    :func:`train_replicas`.
     """
-    trackers = _replica_trackers(tracking, cfgs, index, nodes or []) if tracking else []
+    names = replica_names(cfgs, names)
+    trackers = _replica_trackers(tracking, cfgs, index, nodes or [], names) if tracking else []
     try:
         replicas = train_replicas(
             cfgs,
@@ -226,6 +229,7 @@ def run_batched(
             save=save,
             fault=fault,
             group_size=group_size,
+            names=names,
         )
     except BaseException:
         for t in trackers:
@@ -281,6 +285,7 @@ def train_replicas(
     save: Callable[[int, list[dict[str, Any]]], None] | None = None,
     fault: Callable[[int], None] | None = None,
     group_size: int = GROUP_SIZE,
+    names: list[str] | None = None,
 ) -> list[Replica]:
     """Every config's replica of stage `index`, trained for the stage's epochs on shared batches.
 
@@ -294,7 +299,9 @@ def train_replicas(
     continues each replica after the epochs it records; `save(epochs_done, states)` gets every
     replica's state at each epoch end (rank 0's writer); `fault(step)` is called after each
     optimizer step (the fault-injection test hook). Replicas that can step together run as
-    groups of up to `group_size` (:mod:`.grouped`; 1: every replica steps alone).
+    groups of up to `group_size` (:mod:`.grouped`; 1: every replica steps alone). `names`: what
+    the progress lines call each replica, the trial ids of the sweep's results table (default
+    ``replica-<k>``).
 
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
@@ -305,6 +312,7 @@ def train_replicas(
             [ConfigIssue(f"stages[{index}].freeze.cache_features", "a batched sweep trains on cached features only")]
         )
     base = cfgs[0].stages[index]
+    shown = replica_names(cfgs, names)
     replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap) for cfg in cfgs]
     grouped = GroupedSteps(replicas, group_size)
     if clock is not None:
@@ -355,7 +363,8 @@ def train_replicas(
         failed = [(k, r) for k, r in enumerate(live) if r.error is not None]
         for _, r in failed:
             if reporter.rank == 0:
-                print(f"WARNING [{base.name}] batched replica {replicas.index(r)} failed: {r.error}", flush=True)
+                k = replicas.index(r)
+                print(f"WARNING [{base.name}] batched replica {k} ({shown[k]}) failed: {r.error}", flush=True)
         kept = [(k, r) for k, r in enumerate(live) if r.error is None]
         val = dict(zip((k for k, _ in kept), _evaluate([r for _, r in kept], val_src, reporter))) if kept else {}
         live = [r for _, r in kept]
@@ -380,14 +389,21 @@ def train_replicas(
         if save is not None:  # every replica as it stands now: a killed job resumes after this epoch
             save(epoch + 1, [r.resume_state(epoch + 1) for r in replicas])
         if reporter.rank == 0 and kept:
-            _print_replicas(base.name, replicas, epoch + 1, base.train.epochs, metric, mode)
+            _print_replicas(base.name, replicas, shown, epoch + 1, base.train.epochs, metric, mode)
         trained = epoch + 1
     if save is not None and resume is not None and trained is None:  # nothing left to train: this job
         save(start, [r.resume_state(start) for r in replicas])  # keeps the state it continued, as its own
     return replicas
 
 
-def _print_replicas(stage: str, replicas: list[Replica], epoch: int, epochs: int, metric: str, mode: str) -> None:
+def replica_names(cfgs: list[PipelineConfig], names: list[str] | None) -> list[str]:
+    """What each replica is called (its trial id in the sweep's table), ``replica-<k>`` by default."""
+    return list(names) if names is not None else [f"replica-{k}" for k in range(len(cfgs))]
+
+
+def _print_replicas(
+    stage: str, replicas: list[Replica], names: list[str], epoch: int, epochs: int, metric: str, mode: str
+) -> None:
     """The sweep's progress lines at an epoch end: one per replica, as a Tune sweep's one per trial
     (:func:`cascade_ray.stage.progress.format_trial`), prefixed with the stage (``--log-level warning`` hides them)."""
     sign = 1.0 if mode == "max" else -1.0
@@ -398,7 +414,7 @@ def _print_replicas(stage: str, replicas: list[Replica], epoch: int, epochs: int
         state = "ERROR" if r.error is not None else "TERMINATED" if r.done or epoch == epochs else "RUNNING"
         last = r.history[-1] if r.history else {}
         line = format_trial(
-            f"replica-{k}",
+            names[k],
             state,
             metric=metric,
             epoch=last.get("epoch"),
@@ -585,6 +601,7 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
         resume=resume,
         save=save,
         fault=fault.at_step,
+        names=loop_config.get("names"),
     )
     return dataclasses.asdict(dataclasses.replace(outcome, startup=clock.record())) if reporter.rank == 0 else None
 
@@ -613,15 +630,15 @@ def same_resume_on_every_rank(reporter: Any, resume: Mapping[str, Any] | None, f
 
 
 def _replica_trackers(
-    tracking: Mapping[str, Any], cfgs: list[PipelineConfig], index: int, nodes: list[str]
+    tracking: Mapping[str, Any], cfgs: list[PipelineConfig], index: int, nodes: list[str], names: list[str]
 ) -> list[Any]:
     """``loggers:``: one set of live loggers per replica, each replica a trial run named
-    ``<stage> trial replica-<k>`` under the pipeline's run."""
+    ``<stage> trial <name>`` under the pipeline's run."""
     from cascade_ray.tracking import TrackingContext
     from cascade_ray.tracking.stage_runs import open_stage_loggers  # imports a tracker only when configured
 
     context = TrackingContext.from_dict(tracking)
     return [
-        open_stage_loggers(cfg, index, dataclasses.replace(context, trial=f"replica-{k}"), nodes)
-        for k, cfg in enumerate(cfgs)
+        open_stage_loggers(cfg, index, dataclasses.replace(context, trial=name), nodes)
+        for cfg, name in zip(cfgs, names, strict=True)
     ]

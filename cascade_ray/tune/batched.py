@@ -229,6 +229,7 @@ def batched_sweep(
         train_loop=batched_train_loop_per_worker,
         loop_extra={
             "replicas": replicas,
+            "names": [trial_id(run.name, k) for k in range(len(replicas))],  # as the results table calls them
             "select": {"metric": space.metric, "mode": space.mode},
             "resume": {
                 "dir": full_uri(run / RESUME_DIR),
@@ -236,7 +237,7 @@ def batched_sweep(
                 "ref": [ray.put(point.blob)] if point is not None else [],  # one read, every worker
             },
         },
-        tracking=session.tracking,  # rank 0 logs each replica's epochs as a trial run (replica-<k>)
+        tracking=session.tracking,  # rank 0 logs each replica's epochs as a trial run (its trial id)
     )
     histories, errors, best = (result.return_value[k] for k in ("histories", "errors", "best"))
     if (after := result.return_value.get("resumed_after")) is not None:
@@ -287,10 +288,15 @@ def replica_rows(
     for k, (v, history, error) in enumerate(zip(values, histories, errors, strict=True)):
         top = max(history, key=lambda m: sign * m[metric], default={metric: float("nan"), "epoch": 0})
         rows.append(
-            {"trial_id": f"{run_name}_{k:05d}", metric: top[metric], "epoch": top["epoch"], "error": error}
+            {"trial_id": trial_id(run_name, k), metric: top[metric], "epoch": top["epoch"], "error": error}
             | {f"{CONFIG_PREFIX}{key}": value for key, value in v.items()}
         )
     return rows
+
+
+def trial_id(run_name: str, k: int) -> str:
+    """Replica `k`'s trial id in the results table (``batched-a1_00003``), Tune's ``<run>_<5 digits>`` form."""
+    return f"{run_name}_{k:05d}"
 
 
 def replicas_key(configs: list[PipelineConfig], index: int, upstream_fp: str, data_fp: str) -> str:

@@ -349,12 +349,24 @@ def test_a_diverging_replica_fails_alone_and_cannot_be_best(inputs, lone_runs, d
     bad = trial_config(inputs[0], "classifier", DIVERGING)
     reporter = ListReporter()
     outcome = run_batched(
-        [cfgs[0], bad], STAGE, digits, upstream, features, reporter, CPU, metric="val_accuracy", mode="max"
+        [cfgs[0], bad],
+        STAGE,
+        digits,
+        upstream,
+        features,
+        reporter,
+        CPU,
+        metric="val_accuracy",
+        mode="max",
+        names=["batched-a1_00000", "batched-a1_00001"],  # the results table's trial ids, as the sweep passes
     )
     assert outcome.errors[0] is None and outcome.best == 0
     assert "nonfinite" in outcome.errors[1] and "stages[2].solver.lr" in outcome.errors[1]
     assert outcome.histories[1] == []  # it failed in its first epoch: no epoch of it is reported
-    assert "batched replica 1 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "batched replica 1 (batched-a1_00001) failed" in out
+    # the progress lines call each replica by its trial id in the results table
+    assert "[classifier] trial batched-a1_00000" in out and "replica-" not in out
     # the healthy replica trained as alone (the failed one stepping no more does not disturb it)
     lone = lone_runs[0]
     for mine, theirs in zip(outcome.histories[0], lone.reports, strict=True):
@@ -456,13 +468,14 @@ def test_each_replica_is_tracked_live_as_a_trial_run_and_a_failed_one_ends_faile
             mode="max",
             tracking=run.context().to_dict(),
             nodes=["node-a"],
+            names=["batched-a1_00000", "batched-a1_00001"],
         )
     assert outcome.errors[0] is None and outcome.errors[1] is not None
     client = MlflowClient(uri)
     children = client.search_runs([run.experiment], f"tags.`mlflow.parentRunId` = '{run.parent}'")
     by_name = {c.info.run_name: c for c in children}
-    assert set(by_name) == {"classifier trial replica-0", "classifier trial replica-1"}
-    ok, failed = by_name["classifier trial replica-0"], by_name["classifier trial replica-1"]
+    assert set(by_name) == {"classifier trial batched-a1_00000", "classifier trial batched-a1_00001"}
+    ok, failed = by_name["classifier trial batched-a1_00000"], by_name["classifier trial batched-a1_00001"]
     assert (ok.info.status, failed.info.status) == ("FINISHED", "FAILED")
     assert ok.data.tags["cascade.nodes"] == "node-a" and ok.data.params["solver.lr"] == str(VALUES[0]["solver.lr"])
     history = client.get_metric_history(ok.info.run_id, "epoch/val_accuracy")
