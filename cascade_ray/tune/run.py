@@ -158,9 +158,10 @@ def format_results(outcome: SweepOutcome, metric: str, limit: int = 20) -> str:
     """The results table, best first."""
     rows = outcome.table[:limit]
     keys = [k for k in rows[0] if k.startswith(CONFIG_PREFIX)] if rows else []
-    head = f"{'trial':<14} {metric:>12} {'epoch':>6} " + " ".join(f"{k[len(CONFIG_PREFIX) :]:>22}" for k in keys)
+    width = max([14, *(len(str(r["trial_id"])) for r in rows)])  # a batched sweep's ids are longer
+    head = f"{'trial':<{width}} {metric:>12} {'epoch':>6} " + " ".join(f"{k[len(CONFIG_PREFIX) :]:>22}" for k in keys)
     lines = [head] + [
-        f"{str(r['trial_id']):<14} {r[metric]:>12.4f} {int(r.get('epoch', 0)):>6} "
+        f"{str(r['trial_id']):<{width}} {r[metric]:>12.4f} {int(r.get('epoch', 0)):>6} "
         + " ".join(f"{_fmt(r[k]):>22}" for k in keys)
         for r in rows
     ]

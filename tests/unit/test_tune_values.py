@@ -79,3 +79,25 @@ def test_tune_itself_cannot_take_a_list_as_the_first_trials_value():
         with pytest.raises(TypeError):
             while generator.next_trial() is not None:
                 pass
+
+
+def test_the_printed_table_lines_up_long_trial_ids_and_heads_the_best_epoch():
+    from pathlib import Path
+
+    from cascade_ray.tune.run import SweepOutcome, format_results
+
+    rows = [
+        {"trial_id": "batched-a12_00000", "val_loss": 0.1667, "epoch": 1, "config/model.hidden": [32]},
+        {"trial_id": "batched-a12_00003", "val_loss": 0.57, "epoch": 2, "config/model.hidden": [16, 16]},
+    ]
+    table = format_results(
+        SweepOutcome("classifier", {}, 0.1667, Path("t"), [], rows, Path("r"), Path("b")), "val_loss"
+    )
+    head, first, second, _ = table.splitlines()
+    assert head.split()[:3] == ["trial", "val_loss", "epoch"]
+    assert head.index("val_loss") + len("val_loss") == first.index("0.1667") + len("0.1667")  # right-aligned
+    assert first.split()[:3] == ["batched-a12_00000", "0.1667", "1"] and second.split()[:3] == [
+        "batched-a12_00003",
+        "0.5700",
+        "2",
+    ]
