@@ -32,7 +32,7 @@ from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.features import cache_decision
 from cascade_ray.pipeline.fit import fit_stage
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
-from cascade_ray.ray_compat import quiet_preset_warnings
+from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result, unreadable_run_errors
 from cascade_ray.stage.batched import batched_train_loop_per_worker
 from cascade_ray.stage.batched_resume import LATEST, RESUME_DIR, ResumePoint, read_resume
 from cascade_ray.storage import StorageDir, full_uri, write_table
@@ -205,6 +205,14 @@ def batched_sweep(
     replicas = [c.model_dump(mode="json") for c in configs]
     key = replicas_key(configs, index, upstream.fingerprint, session.data_fp)
     point = find_resume(exp_dir / "trials", key) if resume else None
+    finished = finished_attempt(point, session.cfg.stages[index].train.epochs, space.metric, space.mode)
+    if finished is not None:  # nothing left to train: its results, no new job (as Tune restores a finished sweep)
+        run, (histories, errors, best) = point.folder.parent, finished
+        session.log(
+            f"batched sweep of {space.stage!r}: {run.name} already trained all {len(values)} configs to their end "
+            f"(state {point.folder}, verified); its results are used, no job is started"
+        )
+        return _sweep_outputs(session, space, exp_dir, run, values, histories, errors, best)
     run = exp_dir / "trials" / _free_name(exp_dir / "trials")
     session.log(f"batched sweep of {space.stage!r}: {len(values)} configs in one TorchTrainer job ({run})")
     if point is not None:
@@ -244,6 +252,21 @@ def batched_sweep(
         session.log(f"batched sweep of {space.stage!r}: its {len(values)} replicas continued after epoch {after}")
     # the one fit's start-up phases, where a Tune trial writes its own (bench_trial_startup reads both)
     (run / STARTUP_FILE).write_text(json.dumps(result.return_value.get("startup")))
+    return _sweep_outputs(session, space, exp_dir, run, values, histories, errors, best)
+
+
+def _sweep_outputs(
+    session: StageSession,
+    space: TuneSpace,
+    exp_dir: StorageDir,
+    run: StorageDir,
+    values: list[dict[str, Any]],
+    histories: list[list[dict[str, Any]]],
+    errors: list[str | None],
+    best: int,
+) -> SweepOutcome:
+    """The batched job `run`'s results as a plain sweep writes them (results table, best.yaml) and
+    ``replicas.json``; the outcome whose best trial run is `run` (its one checkpoint: the best replica)."""
     rows = replica_rows(run.name, values, histories, errors, space.metric, space.mode)
     for k, (v, error) in enumerate(zip(values, errors)):
         if error is not None:  # as Tune marks one trial ERROR and keeps the others
@@ -297,6 +320,33 @@ def replica_rows(
 def trial_id(run_name: str, k: int) -> str:
     """Replica `k`'s trial id in the results table (``batched-a1_00003``), Tune's ``<run>_<5 digits>`` form."""
     return f"{run_name}_{k:05d}"
+
+
+def finished_attempt(
+    point: ResumePoint | None, epochs: int, metric: str, mode: str
+) -> tuple[list[list[dict[str, Any]]], list[str | None], int] | None:
+    """(histories, errors, best replica) of the attempt `point` was kept by, when it had nothing
+    left to train (every epoch done, or every replica stopped early or failed) and its Ray run
+    ended with its one report: the best replica's checkpoint, as the job picks it. None otherwise
+    (a new attempt then continues the state, or trains from the start)."""
+    if point is None:
+        return None
+    replicas = point.load()["replicas"]
+    done = point.epochs_done >= epochs or all(r["done"] or r["error"] is not None for r in replicas)
+    histories = [list(r["trainer"]["history"]) for r in replicas]
+    errors = [r["error"] for r in replicas]
+    ok = [k for k, h in enumerate(histories) if errors[k] is None and h]
+    if not done or not ok:
+        return None
+    sign = 1 if mode == "max" else -1
+    best = max(ok, key=lambda k: (max(sign * h[metric] for h in histories[k]), -k))  # as run_batched picks
+    try:
+        result = read_run_result(full_uri(point.folder.parent))
+    except (*unreadable_run_errors(), OSError, ValueError):  # killed before its report: the job runs again
+        return None
+    if result.checkpoint is None or (result.metrics or {}).get("replica") != best:
+        return None
+    return histories, errors, best
 
 
 def replicas_key(configs: list[PipelineConfig], index: int, upstream_fp: str, data_fp: str) -> str:

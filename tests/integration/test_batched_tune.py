@@ -125,8 +125,9 @@ def test_a_batched_sweep_writes_the_plain_sweeps_outputs_and_adopts_the_best_rep
 def test_a_killed_batched_job_continues_after_its_last_epoch_and_resume_reuses_its_state(sweep, tmp_path, monkeypatch):
     """On the module run's upstream (copied, reused by --resume): rank 0 is killed in the second
     epoch and the restarted worker group (max_failures: 1) continues every replica after the
-    first, from the job's own resume state; a later ``tune --resume`` verifies that state and
-    continues it in a new attempt. Both end with the module's uninterrupted sweep's epochs."""
+    first, from the job's own resume state, ending with the module's uninterrupted sweep's epochs;
+    a later ``tune --resume`` verifies that finished state and uses it with the job's own
+    checkpoint, starting no job."""
     import shutil
 
     from cascade_ray.constants import FAULT_ONCE_ENV
@@ -164,8 +165,9 @@ def test_a_killed_batched_job_continues_after_its_last_epoch_and_resume_reuses_i
     assert "its 4 replicas continued after epoch 1" in log  # the restarted group, from this job's own state
     assert record["metrics"]["val_loss"] == pytest.approx(summary["stages"][2]["metrics"]["val_loss"], rel=1e-5)
 
-    log, _ = sweep_again()  # a finished job's state: continued after its last epoch, nothing retrained
-    assert "resuming batched-a1 after epoch 2" in log and "continued after epoch 2" in log
+    log, again = sweep_again()  # a finished attempt: its results and checkpoint are used, no job starts
+    assert "batched-a1 already trained all 4 configs to their end" in log and "no job is started" in log
+    assert "continued after epoch" not in log
     trials = tmp_path / cfg.name / "tune" / "classifier" / "trials"
-    assert sorted(p.name for p in trials.iterdir()) == ["batched-a1", "batched-a2"]
-    assert sorted(p.name for p in (trials / "batched-a2" / "resume").iterdir()) == ["latest.json", "state-e0002.pt"]
+    assert sorted(p.name for p in trials.iterdir()) == ["batched-a1"]
+    assert again["metrics"]["val_loss"] == pytest.approx(record["metrics"]["val_loss"], rel=1e-5)

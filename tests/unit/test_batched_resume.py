@@ -200,3 +200,36 @@ def test_ranks_that_found_different_states_stop_naming_the_folder_and_the_fix():
         # a rank on another node saw no state; two ranks whose mean is this one's; this rank saw none
         with pytest.raises(CascadeError, match=r"ranks found different resume states under /runs/x/resume.*shared"):
             same_resume_on_every_rank(_Ranks(others), mine, "/runs/x/resume")
+
+
+def test_a_finished_attempt_is_used_as_it_is_only_when_its_ray_run_ended_with_the_best_replica(
+    uninterrupted, monkeypatch
+):
+    """``tune --batched --resume`` after a job that trained every epoch: its state gives every
+    replica's history and the pick, and its Ray run's one checkpoint is the adopted weights; no job
+    starts. A state with epochs left, or a run killed before its report, runs a job as before."""
+    from types import SimpleNamespace
+
+    from cascade_ray.tune import batched
+
+    outcome, _, saved, _ = uninterrupted
+    assert batched.finished_attempt(None, 3, "val_accuracy", "max") is None
+    # the folder holds no Ray run (a job killed before Ray Train wrote one): a new job continues the state
+    assert batched.finished_attempt(saved[3], 3, "val_accuracy", "max") is None
+    reads = []
+
+    def ended(metrics):
+        def read(path):
+            reads.append(path)
+            return SimpleNamespace(checkpoint=object(), metrics=metrics)
+
+        return read
+
+    monkeypatch.setattr(batched, "read_run_result", ended({"replica": outcome.best}))
+    histories, errors, best = batched.finished_attempt(saved[3], 3, "val_accuracy", "max")
+    assert _trained(histories) == _trained(outcome.histories) and errors == outcome.errors and best == outcome.best
+    assert reads == [batched.full_uri(saved[3].folder.parent)]  # the attempt's own Ray run
+    assert batched.finished_attempt(saved[1], 3, "val_accuracy", "max") is None  # two epochs left to train
+    assert len(reads) == 1  # not even read: the state says it is unfinished
+    monkeypatch.setattr(batched, "read_run_result", ended({"replica": 1 - outcome.best}))
+    assert batched.finished_attempt(saved[3], 3, "val_accuracy", "max") is None  # a report of another pick
