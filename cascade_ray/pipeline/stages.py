@@ -277,7 +277,7 @@ class StageSession:
             state,
             fields,
             "trained",
-            frozen_digests,  # what the artifact's tensor digests need hashed: only what the stage trained
+            frozen_digests,  # known: the artifact hashes only what the stage trained
             started,
             feature_cache=cache.record() if cache is not None else None,
             resumed_from_epoch=outcome.get("resumed_from_epoch"),
