@@ -237,8 +237,8 @@ def run_batched(
         raise
     for t, r in zip(trackers, replicas):
         t.close(r.error is not None)  # a replica failed by a health rule ends FAILED, as a trial would
-    ok = [k for k, r in enumerate(replicas) if r.error is None and r.history]
-    if not ok:
+    best = best_replica([r.history for r in replicas], [r.error for r in replicas], metric, mode)
+    if best is None:
         raise HealthError(
             "batched",
             cfgs[0].stages[index].name,
@@ -248,8 +248,6 @@ def run_batched(
             f"stages[{index}].solver",
             "narrow the space to values that train (see each replica's error), or run the plain sweep",
         )
-    sign = 1 if mode == "max" else -1
-    best = max(ok, key=lambda k: (max(sign * h[metric] for h in replicas[k].history), -k))
     winner = replicas[best]
     state = winner.setup.model.state_dict() | (winner.best_own or {})
     metrics = dict(winner.history[winner.best_epoch - 1]) | {"replica": best}
@@ -394,6 +392,15 @@ def train_replicas(
     if save is not None and resume is not None and trained is None:  # nothing left to train: this job
         save(start, [r.resume_state(start) for r in replicas])  # keeps the state it continued, as its own
     return replicas
+
+
+def best_replica(histories: list[list[dict[str, Any]]], errors: list[str | None], metric: str, mode: str) -> int | None:
+    """The replica whose best epoch by `metric` (`mode`: max/min) is best among those that trained
+    through (the lowest index on a tie), as Tune's ``get_best_result(scope="all")`` picks a trial;
+    None when every replica failed or none finished an epoch."""
+    ok = [k for k, h in enumerate(histories) if errors[k] is None and h]
+    sign = 1 if mode == "max" else -1
+    return max(ok, key=lambda k: (max(sign * h[metric] for h in histories[k]), -k)) if ok else None
 
 
 def replica_names(cfgs: list[PipelineConfig], names: list[str] | None) -> list[str]:

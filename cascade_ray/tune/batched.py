@@ -33,7 +33,7 @@ from cascade_ray.pipeline.features import cache_decision
 from cascade_ray.pipeline.fit import fit_stage
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result, unreadable_run_errors
-from cascade_ray.stage.batched import batched_train_loop_per_worker
+from cascade_ray.stage.batched import batched_train_loop_per_worker, best_replica
 from cascade_ray.stage.batched_resume import LATEST, RESUME_DIR, ResumePoint, read_resume
 from cascade_ray.storage import StorageDir, full_uri, write_table
 from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
@@ -335,11 +335,9 @@ def finished_attempt(
     done = point.epochs_done >= epochs or all(r["done"] or r["error"] is not None for r in replicas)
     histories = [list(r["trainer"]["history"]) for r in replicas]
     errors = [r["error"] for r in replicas]
-    ok = [k for k, h in enumerate(histories) if errors[k] is None and h]
-    if not done or not ok:
+    best = best_replica(histories, errors, metric, mode)  # as the job picks
+    if not done or best is None:
         return None
-    sign = 1 if mode == "max" else -1
-    best = max(ok, key=lambda k: (max(sign * h[metric] for h in histories[k]), -k))  # as run_batched picks
     try:
         result = read_run_result(full_uri(point.folder.parent))
     except (*unreadable_run_errors(), OSError, ValueError):  # killed before its report: the job runs again
