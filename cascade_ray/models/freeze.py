@@ -4,14 +4,17 @@
 BatchNorm running statistics and dropout are fixed), not in the optimizer, and left out of
 DDP's parameter and buffer broadcasts (frozen upstream tensors are read-only views of the
 object store's shared arrays: ``models.weights.share_numpy_state``). A
-sha256 digest of every frozen parameter *and buffer* is taken before the stage
-trains and compared after; any difference is a :class:`FrozenDriftError`.
+sha256 digest of every frozen parameter *and buffer* after every epoch is compared with the one
+before training (for the entries that view the upstream hand-off, the hand-off's own verified
+digests: :func:`frozen_digest`); any difference is a :class:`FrozenDriftError`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -19,7 +22,10 @@ from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import FrozenDriftError
 from cascade_ray.models.cascade import CascadeModel
 from cascade_ray.models.registry import module_layers
-from cascade_ray.models.weights import state_digests
+from cascade_ray.models.weights import SHARED_KEYS_ATTR, state_digests
+
+# digests by the memory a tensor views (frozen_digest's `memo`)
+DigestMemo = MutableMapping[tuple, str]
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,38 @@ def apply_freeze(model: CascadeModel, plan: TrainablePlan) -> None:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(plan.frozen_keys))
 
 
-def frozen_digest(model: nn.Module, plan: TrainablePlan) -> dict[str, str]:
-    """Digests of every frozen parameter and buffer."""
-    return state_digests(model.state_dict(), plan.frozen_keys)
+def frozen_digest(
+    model: nn.Module,
+    plan: TrainablePlan,
+    known: Mapping[str, str] | None = None,
+    memo: DigestMemo | None = None,
+) -> dict[str, str]:
+    """Digests of every frozen parameter and buffer, sorted by key.
+
+    `known`: the upstream's tensor digests as the driver's hand-off carries them (its verified
+    artifact manifest's). An entry the model shares with the hand-off (a view of its array:
+    ``models.weights.share_numpy_state``) has exactly those bytes, so its digest is taken from
+    `known` instead of hashing it again; entries the model holds a copy of are hashed.
+
+    `memo`: digests of the tensors hashed by earlier calls in the same pass, by the memory they
+    view. Models that view the same arrays (a batched sweep's replicas all view one hand-off)
+    then hash them once per pass. Valid only while nothing writes in between: one check's pass.
+    """
+    state = model.state_dict()
+    shared = getattr(model, SHARED_KEYS_ATTR, frozenset())
+    out = {k: known[k] for k in plan.frozen_keys if k in shared and k in known} if known else {}
+    ids = {k: _identity(state[k]) for k in plan.frozen_keys if k not in out} if memo is not None else {}
+    if memo is not None:
+        out |= {k: memo[i] for k, i in ids.items() if i in memo}
+    hashed = state_digests(state, [k for k in plan.frozen_keys if k not in out])
+    if memo is not None:
+        memo.update({ids[k]: d for k, d in hashed.items()})
+    return dict(sorted((out | hashed).items()))
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    """The bytes a tensor views, as long as nothing writes them: where, as what, and how laid out."""
+    return (str(tensor.device), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 
 
 def check_frozen(before: dict[str, str], after: dict[str, str], stage: str) -> None:

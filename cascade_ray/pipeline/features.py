@@ -30,7 +30,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,16 +99,23 @@ def cache_decision(cfg: PipelineConfig, index: int) -> tuple[bool, str]:
     return True, ""
 
 
-def cache_key(upstream_fingerprint: str, upstream_state: dict[str, np.ndarray], module_names: list[str]) -> str:
+def cache_key(
+    upstream_fingerprint: str,
+    upstream_state: Mapping[str, np.ndarray],
+    module_names: list[str],
+    known: Mapping[str, str] | None = None,
+) -> str:
     """Hash of what the features are a function of: upstream configs/data/seed (its fingerprint)
-    and the weights of the upstream modules and adapters."""
+    and the weights of the upstream modules and adapters. `known`: the upstream's tensor digests
+    (``Handoff.digests``, its verified manifest's), taken instead of hashing those weights again."""
     from cascade_ray.models.weights import state_digests
 
     keys = [k for k in upstream_state if k.split(".")[0] in ("blocks", "adapters") and k.split(".")[1] in module_names]
-    blob = json.dumps(
-        {"upstream": upstream_fingerprint, "weights": state_digests(upstream_state, keys), "version": CACHE_VERSION},
-        sort_keys=True,
-    )
+    known = known or {}
+    weights = state_digests(upstream_state, [k for k in keys if k not in known]) | {
+        k: known[k] for k in keys if k in known
+    }
+    blob = json.dumps({"upstream": upstream_fingerprint, "weights": weights, "version": CACHE_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -149,7 +156,7 @@ def prepare_feature_cache(
             log(f"  {stage.name}: feature cache off: {reason}")
         return None
     upstream_names = module_stage_names(cfg, index - 1)
-    key = cache_key(upstream.fingerprint, upstream.state, upstream_names)
+    key = cache_key(upstream.fingerprint, upstream.state, upstream_names, upstream.digests)
     path = out / CACHE_DIR / stage.name / f"{key[:16]}.parquet"
     t0 = time.perf_counter()
     rows = rows_key(ray.get(data_ref))

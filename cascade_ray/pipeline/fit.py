@@ -332,6 +332,7 @@ def fit_stage(
     *,
     data_ref: ray.ObjectRef | None,
     upstream_ref: ray.ObjectRef | None,
+    upstream_digests: Mapping[str, str] | None = None,
     ray_dir: StorageDir,
     run_name: str,
     callbacks: list[Any] | None = None,
@@ -345,6 +346,7 @@ def fit_stage(
 ) -> ray.train.Result:
     """Train one stage as a TorchTrainer job (:class:`StageTrainer`) and return its Result.
 
+    ``upstream_digests``: the tensor digests of the state behind ``upstream_ref`` (``Handoff.digests``);
     ``callbacks`` go to ``RunConfig`` (Tune trials pass ``TuneReportCallback``); ``features_ref``
     holds the stage's cached upstream outputs (:mod:`cascade_ray.pipeline.features`);
     ``options`` are the run's (log level, profiled stages), ``board`` its progress board
@@ -378,6 +380,8 @@ def fit_stage(
             "data_ref": [data_ref] if data_ref is not None else [],
             "stream": stream.loop_config() if stream is not None else None,
             "upstream_ref": [upstream_ref] if upstream_ref is not None else [],
+            # its tensor digests (the hand-off's): workers take them instead of hashing the upstream
+            "upstream_digests": dict(upstream_digests) if upstream_digests is not None else None,
             "features_ref": [features_ref] if features_ref is not None else [],
             "fault_once": os.environ.get(FAULT_ONCE_ENV, ""),  # test hook, see constants.py
             "fit_started": time.time(),  # the start-up phases count from here (cascade_ray/stage/startup.py)

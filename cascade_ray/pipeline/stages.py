@@ -153,6 +153,7 @@ class StageSession:
             index,
             data_ref=self.data_ref,
             upstream_ref=upstream.ref if upstream else None,
+            upstream_digests=upstream.digests if upstream else None,
             ray_dir=self.out / "ray",
             run_name=name,
             features_ref=cache.ref if cache is not None and self.stream is None else None,

@@ -128,7 +128,7 @@ def prepare_streamed_cache(
             log(f"  {stage.name}: feature cache off: {reason}")
         return None
     names = module_stage_names(cfg, index - 1)
-    key = cache_key(upstream.fingerprint, upstream.state, names)
+    key = cache_key(upstream.fingerprint, upstream.state, names, upstream.digests)
     folder = out / CACHE_DIR / stage.name / key[:16]
     t0 = time.perf_counter()
     rows = _stored_rows(folder, key, in_shape, log, stage.name, strict=stage.freeze.cache_features == "on")

@@ -50,7 +50,7 @@ from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows
 from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue, FrozenDriftError, HealthError
 from cascade_ray.models.dropout import shared_masks
-from cascade_ray.models.freeze import frozen_digest
+from cascade_ray.models.freeze import DigestMemo, frozen_digest
 from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import remember_plans
 from cascade_ray.solver import EarlyStopping, clip_gradients
@@ -195,6 +195,7 @@ def run_batched(
     fault: Callable[[int], None] | None = None,
     group_size: int = GROUP_SIZE,
     names: list[str] | None = None,
+    upstream_digests: Mapping[str, str] | None = None,
 ) -> BatchedOutcome:
     """Train stage `index` of every config in `cfgs` at once (:func:`train_replicas`), then report
     the best replica.
@@ -206,8 +207,8 @@ def run_batched(
     `tracking` (rank 0, ``loggers:``): the driver's tracking context; each replica's epoch rows
     then go live to its own trial run (``<stage> trial <name>``, tagged with `nodes`), which
     ends FAILED when a health rule failed the replica or the job raised. `clock` gets the
-    ``setup`` and ``first_step`` marks; `resume`, `save`, `fault`, `group_size` and `names` as
-    :func:`train_replicas`.
+    ``setup`` and ``first_step`` marks; `resume`, `save`, `fault`, `group_size`, `names` and
+    `upstream_digests` as :func:`train_replicas`.
     """
     names = replica_names(cfgs, names)
     trackers = _replica_trackers(tracking, cfgs, index, nodes or [], names) if tracking else []
@@ -230,6 +231,7 @@ def run_batched(
             fault=fault,
             group_size=group_size,
             names=names,
+            upstream_digests=upstream_digests,
         )
     except BaseException:
         for t in trackers:
@@ -284,6 +286,7 @@ def train_replicas(
     fault: Callable[[int], None] | None = None,
     group_size: int = GROUP_SIZE,
     names: list[str] | None = None,
+    upstream_digests: Mapping[str, str] | None = None,
 ) -> list[Replica]:
     """Every config's replica of stage `index`, trained for the stage's epochs on shared batches.
 
@@ -299,7 +302,9 @@ def train_replicas(
     optimizer step (the fault-injection test hook). Replicas that can step together run as
     groups of up to `group_size` (:mod:`.grouped`; 1: every replica steps alone). `names`: what
     the progress lines call each replica, the trial ids of the sweep's results table (default
-    ``replica-<k>``).
+    ``replica-<k>``). `upstream_digests`: `upstream`'s tensor digests as the driver's hand-off carries
+    them; every replica's frozen upstream views the same arrays, so the digests they are checked
+    against are these, and each epoch's check hashes those arrays once for all replicas.
 
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
@@ -311,7 +316,8 @@ def train_replicas(
         )
     base = cfgs[0].stages[index]
     shown = replica_names(cfgs, names)
-    replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap) for cfg in cfgs]
+    memo: DigestMemo = {}  # the frozen tensors the replicas share are hashed once, not once per replica
+    replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap, upstream_digests, memo) for cfg in cfgs]
     grouped = GroupedSteps(replicas, group_size)
     if clock is not None:
         clock.mark("setup")
@@ -353,10 +359,14 @@ def train_replicas(
             grouped=grouped,
         )
         totals = reporter.all_sum([float(seen), *sums])  # one collective for every replica
+        memo = {}  # this check's pass: the arrays every replica views are hashed once
         for r, loss_sum in zip(live, sums):
             if r.error is None:  # as the lone loop's epoch end: the non-finite flush, the frozen digest
                 _guarded(
-                    r, lambda r=r, loss_sum=loss_sum: r.monitor.end_epoch(r.step, torch.tensor([loss_sum]), r.digest)
+                    r,
+                    lambda r=r, loss_sum=loss_sum, memo=memo: r.monitor.end_epoch(
+                        r.step, torch.tensor([loss_sum]), r.digest, memo
+                    ),
                 )
         failed = [(k, r) for k, r in enumerate(live) if r.error is not None]
         for _, r in failed:
@@ -433,11 +443,11 @@ def _print_replicas(
         print(f"[{stage}] {line}", flush=True)
 
 
-def _replica(cfg, index, data, upstream, reporter, device, wrap) -> Replica:
+def _replica(cfg, index, data, upstream, reporter, device, wrap, known=None, memo=None) -> Replica:
     setup = setup_stage(cfg, index, data, upstream, device, world=reporter.world)  # seeds torch as a lone stage
     rng = torch.get_rng_state()  # the lone stage's generators right after its setup
     setup.model.input_stage = setup.stage.name  # forward starts at the stage's own adapter/module
-    digest = frozen_digest(setup.model, setup.plan)  # as the lone loop: before the wrap, before training
+    digest = frozen_digest(setup.model, setup.plan, known, memo)  # as the lone loop: before the wrap, before training
     net = wrap(setup.model) if wrap is not None else setup.model
     monitor = HealthMonitor.for_setup(setup, rank=reporter.rank, all_sum=reporter.all_sum)
     stopper = EarlyStopping(setup.stage.train.early_stopping)
@@ -609,6 +619,7 @@ def batched_train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]
         save=save,
         fault=fault.at_step,
         names=loop_config.get("names"),
+        upstream_digests=loop_config.get("upstream_digests"),
     )
     return dataclasses.asdict(dataclasses.replace(outcome, startup=clock.record())) if reporter.rank == 0 else None
 

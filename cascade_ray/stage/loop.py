@@ -96,6 +96,7 @@ def run_stage(
     hardware: Hardware | None = None,
     sources: tuple[BatchSource, BatchSource] | None = None,
     input_stage: str | None = None,
+    upstream_digests: Mapping[str, str] | None = None,
 ) -> StageOutcome:
     """Train stage `index` on top of the frozen `upstream` weights.
 
@@ -118,6 +119,9 @@ def run_stage(
             :class:`~cascade_ray.data.splits.DataInfo`); default the in-memory arrays of `data`.
         input_stage: with `sources` streaming a stage's cached upstream features
             (:mod:`cascade_ray.pipeline.stream_cache`): the stage the model's forward starts at.
+        upstream_digests: `upstream`'s tensor digests as the driver's hand-off carries them (its
+            verified artifact manifest's): the frozen digest every epoch is checked against takes
+            them for the entries the model shares with `upstream` instead of hashing them.
 
     Raises:
         ConfigError: a schedule length or the precision does not fit this run.
@@ -146,7 +150,8 @@ def run_stage(
             print(f"{stage.name}: fsdp: trainable layers sharded over {reporter.world} workers", flush=True)
         if setup.compiled is not None and setup.compiled.status == "eager":
             print(f"WARNING {setup.compiled.message}", flush=True)
-    digest = frozen_digest(model, setup.plan)  # the frozen weights as they must still be at every epoch's end
+    # the frozen weights as they must still be at every epoch's end: the hand-off's own, where shared
+    digest = frozen_digest(model, setup.plan, upstream_digests)
     # DDP wraps the model; FSDP sharded it in place (setup_stage), so forward runs on the model itself
     net = wrap(model) if wrap is not None and not is_sharded(model) else model
     monitor = HealthMonitor.for_setup(setup, rank=reporter.rank, all_sum=reporter.all_sum)

@@ -21,7 +21,7 @@ from torch import nn
 
 from cascade_ray.config.schema import StageConfig
 from cascade_ray.errors import FrozenDriftError, HealthError
-from cascade_ray.models.freeze import TrainablePlan, check_frozen, frozen_digest
+from cascade_ray.models.freeze import DigestMemo, TrainablePlan, check_frozen, frozen_digest
 from cascade_ray.solver.schedule import LrSchedule
 from cascade_ray.solver.step import Precision, grad_norm, is_dtensor
 from cascade_ray.stage.sharding import local
@@ -144,19 +144,25 @@ class HealthMonitor:
                 f"or train them on purpose by listing their stage in {self.path}.trainable_layers",
             )
 
-    def end_epoch(self, step: int, loss_sum: torch.Tensor, digest: dict[str, str] | None) -> None:
-        """Flush the non-finite check and, given `digest`, compare the frozen digest with the one taken before training."""
+    def end_epoch(
+        self, step: int, loss_sum: torch.Tensor, digest: dict[str, str] | None, memo: DigestMemo | None = None
+    ) -> None:
+        """Flush the non-finite check and, given `digest`, compare the frozen digest with the one taken
+        before training (`memo`: as :meth:`check_frozen_now`'s)."""
         if self.on["nonfinite"] and self.checked_to < step:
             self._check_finite(step, float(self.all_sum([float(not torch.isfinite(loss_sum).all())])[0]), None)
         if digest is not None:
-            self.check_frozen_now(step, digest)
+            self.check_frozen_now(step, digest, memo)
 
-    def check_frozen_now(self, step: int, digest: dict[str, str]) -> dict[str, str] | None:
+    def check_frozen_now(
+        self, step: int, digest: dict[str, str], memo: DigestMemo | None = None
+    ) -> dict[str, str] | None:
         """Compare the frozen tensors' digests now with `digest` (taken before training); return the
-        digests taken, or None when the ``frozen_drift`` rule is off (nothing was hashed)."""
+        digests taken, or None when the ``frozen_drift`` rule is off (nothing was hashed). `memo`:
+        the digests this pass already took, by the memory they cover (``models.freeze.frozen_digest``)."""
         if not self.on["frozen_drift"]:
             return None
-        now = frozen_digest(self.model, self.plan)
+        now = frozen_digest(self.model, self.plan, memo=memo)
         try:
             check_frozen(digest, now, self.stage.name)
         except FrozenDriftError as exc:

@@ -113,12 +113,14 @@ def write_checkpoint(
         torch.save(trainer, folder / TRAINER_STATE)
 
 
-def read_resume_state(upstream: Mapping[str, np.ndarray] | None) -> dict[str, Any] | None:
+def read_resume_state(
+    upstream: Mapping[str, np.ndarray] | None, upstream_digests: Mapping[str, str] | None = None
+) -> dict[str, Any] | None:
     """The latest registered checkpoint of this run after a worker-group restart, else None.
 
     Its weights are whole again (frozen upstream entries a ``reference`` checkpoint names are taken
-    from `upstream`, digests checked: :func:`read_checkpoint`). Trainer state is read with
-    ``weights_only=True``: tensors and plain containers only.
+    from `upstream`, digests checked against `upstream_digests` where given: :func:`read_checkpoint`).
+    Trainer state is read with ``weights_only=True``: tensors and plain containers only.
     """
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
@@ -127,7 +129,7 @@ def read_resume_state(upstream: Mapping[str, np.ndarray] | None) -> dict[str, An
         trainer = Path(folder) / TRAINER_STATE
         if not trainer.is_file():
             return None
-        weights = read_checkpoint(folder, upstream)
+        weights = read_checkpoint(folder, upstream, upstream_digests)
         return {"model": weights.state, "trainer": torch.load(trainer, map_location="cpu", weights_only=True)}
 
 
@@ -248,6 +250,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         (data_ref,) = loop_config["data_ref"]
         data = DataSplits.from_arrays(ray.get(data_ref))
     upstream = ray.get(loop_config["upstream_ref"][0]) if loop_config["upstream_ref"] else None
+    known = loop_config.get("upstream_digests")  # the hand-off's digests: its bytes are not hashed again
     features = (
         ray.get(loop_config["features_ref"][0]) if loop_config.get("features_ref") else None
     )  # cached upstream outputs
@@ -274,10 +277,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             device,
             wrap=wrap,
             hooks=chain_hooks(marks, hooks, observe),
-            resume=read_resume_state(upstream),
+            resume=read_resume_state(upstream, known),
             features=features,
             sources=sources,
             input_stage=loop_config["stream"].get("input_stage") if loop_config.get("stream") else None,
+            upstream_digests=known,
         )
         failed = False
     finally:

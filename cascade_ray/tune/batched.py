@@ -230,6 +230,7 @@ def batched_sweep(
         index,
         data_ref=session.data_ref,
         upstream_ref=upstream.ref,
+        upstream_digests=upstream.digests,
         ray_dir=run.parent,
         run_name=run.name,
         features_ref=cache.ref,

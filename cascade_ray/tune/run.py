@@ -96,6 +96,7 @@ def sweep_stage(
         space_file=space_file,
         data_ref=session.data_ref,
         upstream_ref=upstream.ref if upstream else None,
+        upstream_digests=upstream.digests if upstream else None,
         exp_dir=exp_dir,
         resume=resume,
         features_ref=cache.ref if cache is not None and not streamed else None,

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -180,11 +180,13 @@ def _run_trial(
     tracking: TrackingContext | None = None,
     plans: dict[Any, Any] | None = None,
     encoded: frozenset[str] = frozenset(),
+    upstream_digests: Mapping[str, str] | None = None,
 ) -> None:
     """One trial (runs in a Tune trial actor); `stream`: the streamed data or streamed cache it trains on;
     `tracking`: the pipeline run's trackers (the trial's rank 0 opens its own run, ``<stage> trial <id>``);
     `plans`: the driver's shape plans (:func:`~cascade_ray.models.plan.known_plans`); `encoded`: the
-    keys Tune samples as JSON text (:func:`encoded_keys`)."""
+    keys Tune samples as JSON text (:func:`encoded_keys`); `upstream_digests`: the upstream hand-off's
+    tensor digests (its workers do not hash the upstream again)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     remember_plans(plans)  # a trial of solver values has its base's plans: neither it nor its workers plan
@@ -200,6 +202,7 @@ def _run_trial(
         index,
         data_ref=data_ref,
         upstream_ref=upstream_ref,
+        upstream_digests=upstream_digests,
         ray_dir=run.parent,
         run_name=run.name,
         callbacks=[TuneReportCallback()],
@@ -283,6 +286,7 @@ def build_tuner(
     data_ref: ray.ObjectRef | None,
     upstream_ref: ray.ObjectRef | None,
     exp_dir: StorageDir,
+    upstream_digests: Mapping[str, str] | None = None,
     resume: bool,
     features_ref: ray.ObjectRef | None = None,
     options: RunOptions | None = None,
@@ -291,7 +295,8 @@ def build_tuner(
     tracking: TrackingContext | None = None,
 ) -> tune.Tuner:
     """A Tuner for `space` (restored from `exp_dir` when ``resume`` and it exists); every trial
-    reads the same data, upstream and (when the stage caches them) upstream-feature objects.
+    reads the same data, upstream and (when the stage caches them) upstream-feature objects;
+    `upstream_digests` are the upstream's tensor digests (``Handoff.digests``), handed to every trial.
 
     Before a restore, the Tune state is checked against the sha256 sidecar cascade-ray wrote
     (:mod:`cascade_ray.tune.state`; `trust_state`: ``--trust-tune-state`` skips it), so Ray
@@ -315,6 +320,7 @@ def build_tuner(
         tracking=tracking,
         plans=known_plans(),
         encoded=encoded_keys(space),
+        upstream_digests=upstream_digests,
     )
     trainable = tune.with_resources(fn, TRIAL_DRIVER_RESOURCES)
     show_progress = (options or RunOptions()).show_progress  # not with --log-level warning

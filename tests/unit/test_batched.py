@@ -389,9 +389,9 @@ def test_frozen_drift_of_the_shared_upstream_fails_that_replica(inputs, digits, 
     _, cfgs, upstream, features = inputs
     real, calls = batched.frozen_digest, []
 
-    def digest(model, plan):  # the second replica's "before" digest is off: as if its upstream changed
+    def digest(model, plan, *rest):  # the second replica's "before" digest is off: as if its upstream changed
         calls.append(1)
-        taken = real(model, plan)
+        taken = real(model, plan, *rest)
         return dict.fromkeys(taken, "changed") if len(calls) == 2 else taken
 
     monkeypatch.setattr(batched, "frozen_digest", digest)
