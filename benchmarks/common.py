@@ -53,10 +53,11 @@ def last_stage_replicas(config: str, configs: int, epochs: int):
     return cfg, index, data, upstream, features, cfgs, time.perf_counter() - started
 
 
-def timed_batched(cfgs, index, data, upstream, features, save=None, group_size=None):
+def timed_batched(cfgs, index, data, upstream, features, save=None, group_size=None, upstream_digests=None):
     """``run_batched`` of `cfgs` on the CPU, its replicas' progress lines silenced:
     (wall seconds, the ListReporter that got its one report). `group_size`: replicas per grouped step
-    (``stage/grouped.py``; None: its default, 1: every replica steps alone)."""
+    (``stage/grouped.py``; None: its default, 1: every replica steps alone); `upstream_digests`: the
+    upstream's tensor digests, as the driver's hand-off gives them to the batched job."""
     import contextlib
     import io
     import time
@@ -79,6 +80,7 @@ def timed_batched(cfgs, index, data, upstream, features, save=None, group_size=N
             metric="val_accuracy",
             mode="max",
             save=save,
+            upstream_digests=upstream_digests,
             **({"group_size": group_size} if group_size is not None else {}),
         )
     return time.perf_counter() - started, reporter
