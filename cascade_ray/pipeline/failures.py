@@ -16,7 +16,7 @@ from typing import Any
 
 import ray.exceptions
 
-from cascade_ray.errors import StageFailedError
+from cascade_ray.errors import CascadeError, StageFailedError
 from cascade_ray.ray_compat import worker_failure_cause
 
 _NO_SPACE = "No space left on device"
@@ -64,6 +64,17 @@ def stage_failure(failures: Iterable[BaseException], stage: str, index: int, sto
                 "checkpoint; rerun with --resume (finished stages are reused)",
             )
     return None
+
+
+def error_message(exc: BaseException) -> str:
+    """What went wrong in `exc`, for a table or a log line: the message of the cascade-ray error
+    behind it (Ray's task and Tune's trial wrappers unwrapped), else the first line of the
+    innermost cause, with its type."""
+    chain = list(_chain(exc))
+    for seen in chain:
+        if isinstance(seen, CascadeError) and not isinstance(seen, ray.exceptions.RayError):
+            return str(seen)
+    return f"{type(chain[-1]).__name__}: {_first_line(chain[-1])}"
 
 
 def _chain(exc: Any) -> Iterator[Any]:

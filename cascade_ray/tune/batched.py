@@ -36,7 +36,7 @@ from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result, unrea
 from cascade_ray.stage.batched import batched_train_loop_per_worker, best_replica
 from cascade_ray.stage.batched_resume import LATEST, RESUME_DIR, ResumePoint, read_resume
 from cascade_ray.storage import StorageDir, full_uri, write_table
-from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep
+from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep, table_order
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import (
     STARTUP_FILE,
@@ -273,9 +273,9 @@ def _sweep_outputs(
         if error is not None:  # as Tune marks one trial ERROR and keeps the others
             shown = ", ".join(f"{key}={value!r}" for key, value in v.items())
             session.log(f"WARNING batched replica {k} ({shown}) failed and is not a candidate for best: {error}")
-    sign = 1 if space.mode == "max" else -1
-    # failed replicas last; stable: ties keep trial order, as the worker's pick
-    table = sorted(rows, key=lambda r: (r["error"] is not None, -sign * r[space.metric]))
+    table = table_order(
+        rows, space.metric, space.mode
+    )  # failed replicas last; ties in trial order, as the worker's pick
     results_path, best_yaml = exp_dir / "results.parquet", exp_dir / "best.yaml"
     write_table(pa.Table.from_pylist(table), results_path)
     best_yaml.write_text(

@@ -2,13 +2,15 @@
 
 Outputs under ``{storage_path}/{name}/tune/<stage>/``: ``tune/`` (the Tune experiment,
 restorable), ``trials/`` (each trial's Train run), ``results.parquet`` (one row per trial,
-sorted by the metric) and ``best.yaml`` (the best trial's values as overrides:
+sorted by the metric, failed trials last with their ``error``) and ``best.yaml`` (the best
+trial's values as overrides:
 ``python pipelines/three_stage.py --config X best.yaml``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,7 @@ import yaml
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError
 from cascade_ray.logs import print_guard, set_print_guard
+from cascade_ray.pipeline.failures import error_message
 from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
@@ -113,25 +116,43 @@ def sweep_stage(
     finally:  # a sweep that raised leaves no trial block's print guard behind (SweepProgress on a TTY)
         set_print_guard(guard)
     write_state(exp_dir)  # Ray's final state is synced by now: what a later --resume verifies
-    frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)
-    errors = [r.error for r in grid if r.error is not None]
+    frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)  # each trial's best epoch
+    failed = {r.metrics.get("trial_id"): (r, error_message(r.error)) for r in grid if r.error is not None}
     if frame.empty or space.metric not in frame:
-        raise CascadeError(
-            f"sweep of {space.stage!r}: no trial reported {space.metric!r}; first error: {errors[0] if errors else 'none'}"
-        )
-    frame = frame.sort_values(space.metric, ascending=space.mode == "min").reset_index(drop=True)
+        first = next(iter(failed.values()))[1] if failed else "none"
+        raise CascadeError(f"sweep of {space.stage!r}: no trial reported {space.metric!r}; first error: {first}")
     keep = ["trial_id", space.metric, "epoch", *[c for c in frame.columns if c.startswith(CONFIG_PREFIX)]]
-    table = frame[[c for c in keep if c in frame.columns]].copy()
-    for key in encoded_keys(space) & {c[len(CONFIG_PREFIX) :] for c in table.columns}:  # the values again, not text
-        column = CONFIG_PREFIX + key
-        table[column] = [stage_values(frozenset({key}), {key: v})[key] for v in table[column]]
+    rows = frame[[c for c in keep if c in frame.columns]].to_dict("records")
+    for row in rows:
+        row["error"] = failed[row["trial_id"]][1] if row["trial_id"] in failed else None
+    reported = {row["trial_id"] for row in rows}
+    rows += [  # a trial that failed before its first report: its values and why, as a failed batched replica's
+        {"trial_id": tid, space.metric: float("nan"), "epoch": 0, "error": error}
+        | {f"{CONFIG_PREFIX}{k}": v for k, v in (r.config or {}).items() if k in space.space}
+        for tid, (r, error) in failed.items()
+        if tid not in reported
+    ]
+    for row in rows:
+        for key in encoded_keys(space) & {c[len(CONFIG_PREFIX) :] for c in row}:  # the values again, not text
+            row[CONFIG_PREFIX + key] = stage_values(frozenset({key}), {key: row[CONFIG_PREFIX + key]})[key]
+    table = table_order(rows, space.metric, space.mode)
+    for row in table:
+        if row["error"] is not None:  # as Tune marks the trial ERROR: kept in the table, never adopted
+            session.log(f"WARNING trial {row['trial_id']} failed and is not a candidate for best: {row['error']}")
     results_path = exp_dir / "results.parquet"
-    write_table(pa.Table.from_pandas(table, preserve_index=False), results_path)
-    best = grid.get_best_result(metric=space.metric, mode=space.mode, scope="all")
+    write_table(pa.Table.from_pylist(table), results_path)
+    top = table[0]
+    if top["error"] is not None or math.isnan(top[space.metric]):
+        raise CascadeError(
+            f"sweep of {space.stage!r}: every trial failed or reported no finite {space.metric!r} "
+            f"(table: {results_path}); first error: {top['error'] or 'none'}. Narrow the space to values that "
+            "train (each trial's error is in the table's error column)"
+        )
+    best = next(r for r in grid if r.metrics.get("trial_id") == top["trial_id"])
     values = stage_values(encoded_keys(space), {k: best.config[k] for k in space.space})
     best_yaml = exp_dir / "best.yaml"
     best_yaml.write_text(
-        f"# best of {len(frame)} trials of stage {space.stage!r} by {space.metric} ({space.mode})\n"
+        f"# best of {len(table)} trials of stage {space.stage!r} by {space.metric} ({space.mode})\n"
         + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values.items()}, sort_keys=True)
     )
     history = (
@@ -142,17 +163,30 @@ def sweep_stage(
         if best.metrics_dataframe is not None
         else []
     )
-    trial_id = best.metrics["trial_id"]
     return SweepOutcome(
         space.stage,
         values,
-        float(best.metrics[space.metric]),
-        exp_dir / "trials" / f"trial-{trial_id}",
+        float(top[space.metric]),  # its best epoch's, whose checkpoint is adopted
+        exp_dir / "trials" / f"trial-{top['trial_id']}",
         history,
-        table.to_dict("records"),
+        table,
         results_path,
         best_yaml,
     )
+
+
+def table_order(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, Any]]:
+    """A sweep's results rows as its table lists them: trials that trained through first, best first by
+    `metric` (`mode`: max/min), then those without a finite value, then failed ones (``error`` set),
+    in the same order among themselves. Stable: ties keep the order given (trial order)."""
+    sign = 1 if mode == "max" else -1
+
+    def key(row: dict[str, Any]) -> tuple[bool, bool, float]:
+        value = row[metric]
+        finite = value is not None and math.isfinite(value)
+        return row["error"] is not None, not finite, -sign * value if finite else 0.0
+
+    return sorted(rows, key=key)
 
 
 def format_results(outcome: SweepOutcome, metric: str, limit: int = 20) -> str:
@@ -164,6 +198,7 @@ def format_results(outcome: SweepOutcome, metric: str, limit: int = 20) -> str:
     lines = [head] + [
         f"{str(r['trial_id']):<{width}} {r[metric]:>12.4f} {int(r.get('epoch', 0)):>6} "
         + " ".join(f"{_fmt(r[k]):>22}" for k in keys)
+        + ("  FAILED (not a candidate)" if r.get("error") is not None else "")
         for r in rows
     ]
     lines.append(f"best -> {outcome.best_yaml}  (table: {outcome.results_path})")

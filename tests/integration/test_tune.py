@@ -170,6 +170,48 @@ def test_best_override_reproduces_the_best_trial(sweep):
     )
 
 
+DIVERGING = """
+stage: encoder
+metric: val_accuracy
+mode: max
+num_samples: 1
+search: grid
+scheduler: {type: fifo}
+evaluate_current: false
+space:
+  solver.lr: {grid: [1.0e-2, 1.0e+30]}  # SGD at 1e30: the loss is NaN within the first steps
+"""
+
+
+def test_a_trial_that_fails_is_in_the_table_with_its_error_and_never_adopted(ray_session, tmp_path):
+    """Tune keeps a failed trial (status ERROR) and would pick it as best by its epochs before the failure;
+    cascade-ray lists it last with the health error that stopped it and adopts the best trial that trained."""
+    space = tmp_path / "diverging.yaml"
+    space.write_text(DIVERGING)
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [f"storage_path={tmp_path}", "stages.encoder.scaling.num_workers=1", "stages.encoder.solver.type=SGD"],
+    )
+    lines: list[str] = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = run_pipeline(
+            cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lines.append
+        )
+    record = summary["stages"][1]
+    assert record["status"] == "tuned" and record["sweep"]["trials"] == 2
+    good, bad = pq.read_table(record["sweep"]["results"]).to_pylist()
+    assert good["config/solver.lr"] == pytest.approx(1e-2) and good["error"] is None
+    assert bad["config/solver.lr"] == pytest.approx(1e30)
+    assert "nonfinite" in bad["error"] and "stages[1].health.nonfinite" in bad["error"], bad["error"]
+    assert record["metrics"]["val_accuracy"] == pytest.approx(good["val_accuracy"])
+    assert "solver.lr: 0.01" in Path(record["sweep"]["best"]).read_text()
+    warned = [line for line in lines if line.startswith(f"WARNING trial {bad['trial_id']} failed")]
+    assert len(warned) == 1 and "not a candidate for best" in warned[0], lines
+    printed = [row for line in lines for row in line.splitlines()]  # the table is logged as one block
+    shown = next(row for row in printed if row.startswith(str(bad["trial_id"])))
+    assert shown.endswith("FAILED (not a candidate)")
+
+
 def test_a_space_with_bad_keys_fails_before_any_trial(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(SPACE.replace("solver.lr:", "solver.lrr:").replace("[0.5, 1.0]", "[0.5, -1.0]"))
