@@ -7,6 +7,8 @@ Tune; the numbers themselves are computed by :mod:`cascade_ray.models.metrics`.
 
 from __future__ import annotations
 
+import math
+
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 
 # Validation metrics per target kind, without the `val_` prefix; `loss` is the stage's loss.
@@ -38,6 +40,15 @@ def epoch_metric_names(kind: str, num_classes: int | None = None) -> list[str]:
 def metric_mode(name: str) -> str:
     """``min`` for losses and errors (``val_loss``, ``val_mae``, ``val_rmse``), ``max`` otherwise."""
     return "min" if name.rsplit("_", 1)[-1] in _LOWER_IS_BETTER or name.endswith("loss") else "max"
+
+
+def rank(value: float | None, mode: str) -> tuple[bool, float]:
+    """A sort key that puts the better of two values of a `mode` (max/min) metric first: finite
+    values best first, then NaN, inf and missing ones (never better than a finite value). What a
+    sweep's results table, its best trial and a batched sweep's best replica are ranked by."""
+    if value is None or not math.isfinite(value):
+        return True, 0.0
+    return False, -value if mode == "max" else value
 
 
 def checkpoint_metric(cfg: PipelineConfig, stage: StageConfig) -> str:

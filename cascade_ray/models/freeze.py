@@ -24,8 +24,8 @@ from cascade_ray.models.cascade import CascadeModel
 from cascade_ray.models.registry import module_layers
 from cascade_ray.models.weights import SHARED_KEYS_ATTR, state_digests
 
-# digests by the memory a tensor views (frozen_digest's `memo`)
-DigestMemo = MutableMapping[tuple, str]
+# digests by the memory a tensor views, each with that tensor (frozen_digest's `memo`)
+DigestMemo = MutableMapping[tuple, tuple[torch.Tensor, str]]
 
 
 @dataclass(frozen=True)
@@ -112,18 +112,20 @@ def frozen_digest(
     `known` instead of hashing it again; entries the model holds a copy of are hashed.
 
     `memo`: digests of the tensors hashed by earlier calls in the same pass, by the memory they
-    view. Models that view the same arrays (a batched sweep's replicas all view one hand-off)
-    then hash them once per pass. Valid only while nothing writes in between: one check's pass.
+    view. Models that view the same arrays (on the CPU, a batched sweep's replicas all view one
+    hand-off; on a GPU each holds its own copy) then hash them once per pass. The memo holds each
+    tensor it names, so no other tensor can take its memory during the pass. Valid only while
+    nothing writes in between: one check's pass.
     """
     state = model.state_dict()
     shared = getattr(model, SHARED_KEYS_ATTR, frozenset())
     out = {k: known[k] for k in plan.frozen_keys if k in shared and k in known} if known else {}
     ids = {k: _identity(state[k]) for k in plan.frozen_keys if k not in out} if memo is not None else {}
     if memo is not None:
-        out |= {k: memo[i] for k, i in ids.items() if i in memo}
+        out |= {k: memo[i][1] for k, i in ids.items() if i in memo}
     hashed = state_digests(state, [k for k in plan.frozen_keys if k not in out])
     if memo is not None:
-        memo.update({ids[k]: d for k, d in hashed.items()})
+        memo.update({ids[k]: (state[k], d) for k, d in hashed.items()})
     return dict(sorted((out | hashed).items()))
 
 
@@ -138,7 +140,7 @@ def check_frozen(before: dict[str, str], after: dict[str, str], stage: str) -> N
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         raise FrozenDriftError(
-            f"stage {stage!r}: {len(changed)} frozen tensor(s) changed during training: {shown}. "
+            f"stage {stage!r}: {len(changed)} frozen tensor(s) changed since the stage was handed them: {shown}. "
             "Frozen parameters and buffers must be bit-identical; a module's forward that updates "
             "state in eval mode, or a custom module that ignores eval(), does this. To train "
             f"them on purpose, list their stage in stages[...].trainable_layers."

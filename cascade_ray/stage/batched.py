@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cascade_ray.config.metrics import retention_metric
+from cascade_ray.config.metrics import rank, retention_metric
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.data import DataSplits
 from cascade_ray.data.batches import ArraySource, accumulation_windows
@@ -245,8 +245,8 @@ def run_batched(
             "batched",
             cfgs[0].stages[index].name,
             max(r.step for r in replicas),
-            "every replica of the batched sweep failed: "
-            + "; ".join(f"replica {k}: {r.error}" for k, r in enumerate(replicas)),
+            f"every replica of the batched sweep failed or reported no finite {metric}: "
+            + "; ".join(f"replica {k}: {r.error or 'no finite ' + metric}" for k, r in enumerate(replicas)),
             f"stages[{index}].solver",
             "narrow the space to values that train (see each replica's error), or run the plain sweep",
         )
@@ -303,8 +303,9 @@ def train_replicas(
     groups of up to `group_size` (:mod:`.grouped`; 1: every replica steps alone). `names`: what
     the progress lines call each replica, the trial ids of the sweep's results table (default
     ``replica-<k>``). `upstream_digests`: `upstream`'s tensor digests as the driver's hand-off carries
-    them; every replica's frozen upstream views the same arrays, so the digests they are checked
-    against are these, and each epoch's check hashes those arrays once for all replicas.
+    them: the digests every replica's frozen upstream is checked against. On the CPU every
+    replica's frozen upstream views the same arrays, and each epoch's check hashes them once for
+    all replicas (on a GPU each replica holds its own copy, hashed for itself).
 
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
@@ -406,11 +407,16 @@ def train_replicas(
 
 def best_replica(histories: list[list[dict[str, Any]]], errors: list[str | None], metric: str, mode: str) -> int | None:
     """The replica whose best epoch by `metric` (`mode`: max/min) is best among those that trained
-    through (the lowest index on a tie), as Tune's ``get_best_result(scope="all")`` picks a trial;
-    None when every replica failed or none finished an epoch."""
-    ok = [k for k, h in enumerate(histories) if errors[k] is None and h]
-    sign = 1 if mode == "max" else -1
-    return max(ok, key=lambda k: (max(sign * h[metric] for h in histories[k]), -k)) if ok else None
+    through (the lowest index on a tie), ranked as a plain sweep's trials are
+    (:func:`cascade_ray.config.metrics.rank`; the sweep's table lists it first); None when every
+    replica failed, none finished an epoch or none reported a finite value."""
+    bests = {
+        k: min(rank(h.get(metric), mode) for h in histories[k])
+        for k, h in enumerate(histories)
+        if errors[k] is None and h
+    }
+    ok = [k for k, best in bests.items() if not best[0]]  # a finite value
+    return min(ok, key=lambda k: (bests[k], k)) if ok else None
 
 
 def replica_names(cfgs: list[PipelineConfig], names: list[str] | None) -> list[str]:

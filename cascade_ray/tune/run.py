@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import yaml
 
+from cascade_ray.config.metrics import rank
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError
 from cascade_ray.logs import print_guard, set_print_guard
@@ -116,37 +118,19 @@ def sweep_stage(
     finally:  # a sweep that raised leaves no trial block's print guard behind (SweepProgress on a TTY)
         set_print_guard(guard)
     write_state(exp_dir)  # Ray's final state is synced by now: what a later --resume verifies
-    frame = grid.get_dataframe(filter_metric=space.metric, filter_mode=space.mode)  # each trial's best epoch
-    failed = {r.metrics.get("trial_id"): (r, error_message(r.error)) for r in grid if r.error is not None}
-    if frame.empty or space.metric not in frame:
-        first = next(iter(failed.values()))[1] if failed else "none"
-        raise CascadeError(f"sweep of {space.stage!r}: no trial reported {space.metric!r}; first error: {first}")
-    keep = ["trial_id", space.metric, "epoch", *[c for c in frame.columns if c.startswith(CONFIG_PREFIX)]]
-    rows = frame[[c for c in keep if c in frame.columns]].to_dict("records")
-    for row in rows:
-        row["error"] = failed[row["trial_id"]][1] if row["trial_id"] in failed else None
-    reported = {row["trial_id"] for row in rows}
-    rows += [  # a trial that failed before its first report: its values and why, as a failed batched replica's
-        {"trial_id": tid, space.metric: float("nan"), "epoch": 0, "error": error}
-        | {f"{CONFIG_PREFIX}{k}": v for k, v in (r.config or {}).items() if k in space.space}
-        for tid, (r, error) in failed.items()
-        if tid not in reported
-    ]
-    for row in rows:
-        for key in encoded_keys(space) & {c[len(CONFIG_PREFIX) :] for c in row}:  # the values again, not text
-            row[CONFIG_PREFIX + key] = stage_values(frozenset({key}), {key: row[CONFIG_PREFIX + key]})[key]
-    table = table_order(rows, space.metric, space.mode)
+    table = table_order(trial_rows(grid, space), space.metric, space.mode)
     for row in table:
         if row["error"] is not None:  # as Tune marks the trial ERROR: kept in the table, never adopted
             session.log(f"WARNING trial {row['trial_id']} failed and is not a candidate for best: {row['error']}")
     results_path = exp_dir / "results.parquet"
     write_table(pa.Table.from_pylist(table), results_path)
-    top = table[0]
-    if top["error"] is not None or math.isnan(top[space.metric]):
+    top = table[0] if table else {"error": None, space.metric: None}
+    if top["error"] is not None or rank(top[space.metric], space.mode)[0]:
+        first = next((row["error"] for row in table if row["error"] is not None), "none")
         raise CascadeError(
             f"sweep of {space.stage!r}: every trial failed or reported no finite {space.metric!r} "
-            f"(table: {results_path}); first error: {top['error'] or 'none'}. Narrow the space to values that "
-            "train (each trial's error is in the table's error column)"
+            f"(table: {results_path}); first error: {first}. Narrow the space to values that train (each "
+            "trial's error is in the table's error column)"
         )
     best = next(r for r in grid if r.metrics.get("trial_id") == top["trial_id"])
     values = stage_values(encoded_keys(space), {k: best.config[k] for k in space.space})
@@ -166,7 +150,7 @@ def sweep_stage(
     return SweepOutcome(
         space.stage,
         values,
-        float(top[space.metric]),  # its best epoch's, whose checkpoint is adopted
+        float(top[space.metric]),  # its best epoch's by the sweep's metric
         exp_dir / "trials" / f"trial-{top['trial_id']}",
         history,
         table,
@@ -175,18 +159,38 @@ def sweep_stage(
     )
 
 
+def trial_rows(results: Iterable[Any], space: TuneSpace) -> list[dict[str, Any]]:
+    """One results-table row per trial of a sweep (`results`: Ray Tune ``Result`` objects): its best
+    epoch by the space's metric (:func:`~cascade_ray.config.metrics.rank`: NaN never best; NaN and
+    epoch 0 when it never reported one), why it failed (``error``, None when it trained through:
+    :func:`~cascade_ray.pipeline.failures.error_message`) and its values (as Tune sampled them,
+    JSON-text ones decoded; none when Tune has no config for a trial that died at its start)."""
+    metric, encoded = space.metric, encoded_keys(space)
+    rows = []
+    for result in results:
+        frame = result.metrics_dataframe
+        epochs = [e for e in (frame.to_dict("records") if frame is not None else []) if metric in e]
+        top = min(epochs, key=lambda e: rank(e[metric], space.mode), default={metric: math.nan, "epoch": 0})
+        config = {k: v for k, v in (result.config or {}).items() if k in space.space}
+        rows.append(
+            {
+                "trial_id": result.metrics.get("trial_id"),
+                metric: float(top[metric]) if top[metric] is not None else math.nan,
+                "epoch": int(top.get("epoch") or 0),
+                "error": error_message(result.error) if result.error is not None else None,
+            }
+            | {f"{CONFIG_PREFIX}{k}": v for k, v in stage_values(encoded & set(config), config).items()}
+        )
+    columns = dict.fromkeys(k for row in rows for k in row)  # every row every column (a value-less one too)
+    return [{k: row.get(k) for k in columns} for row in rows]
+
+
 def table_order(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, Any]]:
     """A sweep's results rows as its table lists them: trials that trained through first, best first by
-    `metric` (`mode`: max/min), then those without a finite value, then failed ones (``error`` set),
-    in the same order among themselves. Stable: ties keep the order given (trial order)."""
-    sign = 1 if mode == "max" else -1
-
-    def key(row: dict[str, Any]) -> tuple[bool, bool, float]:
-        value = row[metric]
-        finite = value is not None and math.isfinite(value)
-        return row["error"] is not None, not finite, -sign * value if finite else 0.0
-
-    return sorted(rows, key=key)
+    `metric` (`mode`: max/min; :func:`~cascade_ray.config.metrics.rank`), those without a finite value
+    after them, then failed ones (``error`` set), in the same order among themselves. Stable: ties keep
+    the order given (trial order)."""
+    return sorted(rows, key=lambda row: (row["error"] is not None, *rank(row[metric], mode)))
 
 
 def format_results(outcome: SweepOutcome, metric: str, limit: int = 20) -> str:

@@ -171,3 +171,30 @@ def test_a_killed_batched_job_continues_after_its_last_epoch_and_resume_reuses_i
     trials = tmp_path / cfg.name / "tune" / "classifier" / "trials"
     assert sorted(p.name for p in trials.iterdir()) == ["batched-a1"]
     assert again["metrics"]["val_loss"] == pytest.approx(record["metrics"]["val_loss"], rel=1e-5)
+
+
+def test_the_hand_offs_digests_reach_the_batched_workers(sweep, tmp_path, monkeypatch):
+    """The batched job's replicas check their frozen upstream against the digests the driver's hand-off
+    carries: one made wrong on the driver fails every replica at its first epoch's end, naming the key."""
+    import shutil
+
+    from cascade_ray.errors import CascadeError
+    from cascade_ray.pipeline import stages
+
+    cfg, summary, _, tmp = sweep
+    for stage in ("features", "encoder"):  # the module run's upstream, reused by --resume
+        shutil.copytree(Path(summary["storage"]) / "stages" / stage, tmp_path / cfg.name / "stages" / stage)
+    key = "blocks.features.stem.0.weight"
+    real = stages.Handoff
+    monkeypatch.setattr(
+        stages,
+        "Handoff",
+        lambda state, ref, fp, digests=None: real(state, ref, fp, digests and digests | {key: "0" * 64}),
+    )
+    again = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", *QUICK])
+    options = RunOptions(
+        spaces=(("classifier", str(tmp / "classifier.yaml")),), stop_after="classifier", batched=True, resume=True
+    )
+    with pytest.raises(CascadeError, match="every replica of the batched sweep failed") as failed:
+        run_pipeline(again, options, log=lambda _: None)
+    assert f"frozen tensor(s) changed since the stage was handed them: {key}" in str(failed.value)

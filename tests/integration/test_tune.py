@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -210,6 +211,37 @@ def test_a_trial_that_fails_is_in_the_table_with_its_error_and_never_adopted(ray
     printed = [row for line in lines for row in line.splitlines()]  # the table is logged as one block
     shown = next(row for row in printed if row.startswith(str(bad["trial_id"])))
     assert shown.endswith("FAILED (not a candidate)")
+
+
+def test_the_hand_offs_digests_reach_a_stages_workers_and_every_trials(ray_session, tmp_path, monkeypatch):
+    """Workers check the frozen upstream against the digests the driver's hand-off carries (not a hash
+    of what they received): one made wrong on the driver fails the encoder's fit, and every trial of a
+    sweep of it, at the first epoch's end, naming the key; the sweep's table is written first."""
+    from cascade_ray.errors import CascadeError, FrozenDriftError
+    from cascade_ray.pipeline import stages
+
+    key = "blocks.features.stem.0.weight"
+    real = stages.Handoff
+    monkeypatch.setattr(
+        stages,
+        "Handoff",
+        lambda state, ref, fp, digests=None: real(state, ref, fp, digests and digests | {key: "0" * 64}),
+    )
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [f"storage_path={tmp_path}", "stages.encoder.scaling.num_workers=1", "stages.encoder.train.epochs=1"],
+    )
+    drift = f"frozen tensor(s) changed since the stage was handed them: {key}"
+    with pytest.raises(FrozenDriftError, match=re.escape(drift)):
+        run_pipeline(cfg, RunOptions(stop_after="encoder"), log=lambda _: None)
+    space = tmp_path / "encoder.yaml"
+    space.write_text(SPACE.replace("num_samples: 4", "num_samples: 2"))
+    options = RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder", resume=True)  # features reused
+    with pytest.raises(CascadeError, match="every trial failed") as failed:
+        run_pipeline(cfg, options, log=lambda _: None)
+    assert drift in str(failed.value)
+    table = pq.read_table(Path(cfg.storage_path) / cfg.name / "tune" / "encoder" / "results.parquet").to_pylist()
+    assert len(table) == 2 and all(drift in row["error"] for row in table)
 
 
 def test_a_space_with_bad_keys_fails_before_any_trial(tmp_path):

@@ -47,3 +47,76 @@ def test_the_printed_table_marks_a_failed_trial():
         and bad.split()[:3] == ["trial_00001", "nan", "0"]
         and bad.endswith("FAILED (not a candidate)")
     )
+
+
+class _Result:
+    """What trial_rows reads of a Ray Tune Result: the last metrics (its trial id), the error, the
+    config and every reported epoch."""
+
+    def __init__(self, tid, epochs, error=None, config=None):
+        import pandas as pd
+
+        self.metrics = {"trial_id": tid} | ({"config": config} if config is not None else {})
+        self.error, self.config = error, config
+        self.metrics_dataframe = pd.DataFrame(epochs) if epochs else None
+
+
+def _space(**extra):
+    from cascade_ray.tune.space import TuneSpace
+
+    return TuneSpace.model_validate(
+        {"stage": "encoder", "metric": "val_accuracy", "mode": "max", "space": {"solver.lr": {"grid": [0.1, 1.0]}}}
+        | extra
+    )
+
+
+def test_a_trial_that_failed_after_its_best_epoch_is_listed_last_and_the_best_is_one_that_trained():
+    """Ray's get_best_result(scope="all") ranks trials by their best epoch whatever their status: it would
+    take `early` (0.99 at epoch 1, then a health error) over `steady` (0.80)."""
+    from cascade_ray.tune.run import trial_rows
+
+    fail = HealthError("nonfinite", "encoder", 40, "loss is nan", "stages[1].solver.lr", "lower the lr")
+    results = [
+        _Result(
+            "early",
+            [{"epoch": 1, "val_accuracy": 0.99}],
+            ray.exceptions.RayTaskError("f", "tb", fail),
+            {"solver.lr": 1.0},
+        ),
+        _Result(
+            "steady", [{"epoch": 1, "val_accuracy": 0.7}, {"epoch": 2, "val_accuracy": 0.8}], None, {"solver.lr": 0.1}
+        ),
+        _Result(
+            "nan",
+            [{"epoch": 1, "val_accuracy": math.nan}, {"epoch": 2, "val_accuracy": math.nan}],
+            None,
+            {"solver.lr": 0.1},
+        ),
+        _Result("died", [], RuntimeError("actor died"), None),  # Tune has no config for it
+    ]
+    table = table_order(trial_rows(results, _space()), "val_accuracy", "max")
+    assert [r["trial_id"] for r in table] == ["steady", "nan", "early", "died"]
+    steady, nan, early, died = table
+    assert steady == {"trial_id": "steady", "val_accuracy": 0.8, "epoch": 2, "error": None, "config/solver.lr": 0.1}
+    assert math.isnan(nan["val_accuracy"]) and nan["error"] is None
+    assert early["val_accuracy"] == 0.99 and early["error"] == str(fail)
+    assert died["epoch"] == 0 and died["error"] == "RuntimeError: actor died" and died["config/solver.lr"] is None
+
+
+def test_json_text_values_of_a_failed_trial_are_values_again():
+    from cascade_ray.tune.run import trial_rows
+
+    space = _space(space={"model.hidden": {"choice": [[32], [64, 64]]}})
+    rows = trial_rows([_Result("a", [], RuntimeError("x"), {"model.hidden": "[64, 64]"})], space)
+    assert rows[0]["config/model.hidden"] == [64, 64]
+
+
+def test_the_batched_pick_and_the_table_agree_on_non_finite_values():
+    from cascade_ray.stage.batched import best_replica
+
+    histories = [[{"val_loss": math.nan}], [{"val_loss": 0.5}], [{"val_loss": math.inf}], [{"val_loss": 0.4}]]
+    errors = [None, None, None, "nonfinite ..."]
+    assert best_replica(histories, errors, "val_loss", "min") == 1  # not the NaN one, not the failed one
+    rows = [_row(str(k), h[-1]["val_loss"], e) for k, (h, e) in enumerate(zip(histories, errors))]
+    assert table_order(rows, "val_loss", "min")[0]["trial_id"] == "1"
+    assert best_replica(histories[:1] + histories[2:3], [None, None], "val_loss", "min") is None  # none finite
