@@ -30,6 +30,7 @@ non-finite check) or computed from all-reduced gradients, so every rank fails th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import itertools
 import os
@@ -77,6 +78,7 @@ class Replica:
     stopper: EarlyStopping
     monitor: HealthMonitor
     digest: dict[str, str]  # the frozen upstream's digest before training (checked every epoch)
+    checked: tuple[int, dict[str, str] | None] = (-1, None)  # the last check's epoch and the digests it took
     history: list[dict[str, float]] = field(default_factory=list)
     step: int = 0
     done: bool = False
@@ -253,8 +255,12 @@ def run_batched(
     winner = replicas[best]
     state = winner.setup.model.state_dict() | (winner.best_own or {})
     metrics = dict(winner.history[winner.best_epoch - 1]) | {"replica": best}
+    # the digests the last epoch's check took of these frozen tensors, when the winner was checked then
+    # (nothing has written since); else they are hashed again
+    last, taken = winner.checked
+    now = taken if last == max(r.checked[0] for r in replicas) else None
     if reporter.rank == 0:  # the unchanged frozen upstream named by digest, as a lone stage's checkpoints do
-        reporter.report(metrics, state, frozen=checkpoint_frozen(winner.setup, state, winner.digest))
+        reporter.report(metrics, state, frozen=checkpoint_frozen(winner.setup, state, winner.digest, now))
     else:
         reporter.report(metrics, None)
     return BatchedOutcome(
@@ -363,12 +369,7 @@ def train_replicas(
         memo = {}  # this check's pass: the arrays every replica views are hashed once
         for r, loss_sum in zip(live, sums):
             if r.error is None:  # as the lone loop's epoch end: the non-finite flush, the frozen digest
-                _guarded(
-                    r,
-                    lambda r=r, loss_sum=loss_sum, memo=memo: r.monitor.end_epoch(
-                        r.step, torch.tensor([loss_sum]), r.digest, memo
-                    ),
-                )
+                _guarded(r, functools.partial(_end_epoch, r, loss_sum, epoch, memo))
         failed = [(k, r) for k, r in enumerate(live) if r.error is not None]
         for _, r in failed:
             if reporter.rank == 0:
@@ -458,6 +459,11 @@ def _replica(cfg, index, data, upstream, reporter, device, wrap, known=None, mem
     monitor = HealthMonitor.for_setup(setup, rank=reporter.rank, all_sum=reporter.all_sum)
     stopper = EarlyStopping(setup.stage.train.early_stopping)
     return Replica(cfg, setup, net, rng, _cuda_rng(device), stopper, monitor, digest)
+
+
+def _end_epoch(replica: Replica, loss_sum: float, epoch: int, memo: DigestMemo) -> None:
+    """`replica`'s epoch-end checks (the non-finite flush, the frozen digest), the digests kept."""
+    replica.checked = epoch, replica.monitor.end_epoch(replica.step, torch.tensor([loss_sum]), replica.digest, memo)
 
 
 def _guarded(replica: Replica, check: Callable[[], None]) -> None:

@@ -146,13 +146,12 @@ class HealthMonitor:
 
     def end_epoch(
         self, step: int, loss_sum: torch.Tensor, digest: dict[str, str] | None, memo: DigestMemo | None = None
-    ) -> None:
+    ) -> dict[str, str] | None:
         """Flush the non-finite check and, given `digest`, compare the frozen digest with the one taken
-        before training (`memo`: as :meth:`check_frozen_now`'s)."""
+        before training (`memo`: as :meth:`check_frozen_now`'s); return the frozen digests taken, if any."""
         if self.on["nonfinite"] and self.checked_to < step:
             self._check_finite(step, float(self.all_sum([float(not torch.isfinite(loss_sum).all())])[0]), None)
-        if digest is not None:
-            self.check_frozen_now(step, digest, memo)
+        return self.check_frozen_now(step, digest, memo) if digest is not None else None
 
     def check_frozen_now(
         self, step: int, digest: dict[str, str], memo: DigestMemo | None = None

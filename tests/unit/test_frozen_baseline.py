@@ -20,7 +20,7 @@ from cascade_ray.models.freeze import frozen_digest
 from cascade_ray.models.weights import SHARED_KEYS_ATTR, share_numpy_state, state_digests
 from cascade_ray.pipeline import fit
 from cascade_ray.pipeline.features import cache_key, upstream_outputs
-from cascade_ray.stage.batched import train_replicas
+from cascade_ray.stage.batched import run_batched, train_replicas
 from cascade_ray.stage.loop import run_stage
 from cascade_ray.stage.setup import build_stage_model
 from cascade_ray.tune.sweep import trial_config
@@ -127,6 +127,26 @@ def test_a_batched_sweep_hashes_the_shared_upstream_once_per_check(digits, hashe
     # before: 3 replicas x (1 + epochs) digests of the whole frozen upstream
     assert count() == (1 + epochs) * frozen  # one baseline, one check per epoch, shared by the 3
     assert count(upstream_digests=state_digests(upstream)) == epochs * frozen  # the checks only
+
+    # the job's one report names the frozen upstream by the digests its last check took (before: hashed again)
+    reporter, known = ListReporter(), state_digests(upstream)
+    hashed.clear()
+    run_batched(
+        cfgs,
+        stage,
+        digits,
+        upstream,
+        features,
+        reporter,
+        CPU,
+        metric="val_accuracy",
+        mode="max",
+        upstream_digests=known,
+    )
+    assert len(hashed) == epochs * frozen
+    assert reporter.frozen[-1] == state_digests(
+        upstream, build_stage_model(cfg, stage, digits, upstream)[1].frozen_keys
+    )
 
 
 def test_the_feature_cache_key_takes_the_hand_offs_digests(encoder, hashed):
