@@ -10,8 +10,8 @@ object store gives them, and a small ``head`` MLP (W -> 64 -> 10) trained on the
 cached features by ``run_batched`` (what the batched job's workers run), in this process, on the
 CPU, with ``--configs`` replicas (lr log-spaced) for ``--epochs`` epochs. The two ways alternate
 (before, now, now, before, ...) and the medians are printed. Before is the same code given what
-it had before: no digests from the hand-off (``upstream_digests`` None) and every replica hashing
-for itself (the digest memo dropped). Both ways' replicas are checked to end with the same
+it had before: no digests from the hand-off (``upstream_digests`` None), every replica hashing
+for itself (the digest memo dropped) and the one checkpoint's listing hashing again. Both ways' replicas are checked to end with the same
 metrics. Also timed, once each way per round: the frozen digest a lone stage's worker takes
 before training, and the feature cache's key on the driver, with and without the hand-off's
 digests.
@@ -35,17 +35,20 @@ from common import timed_batched  # noqa: E402
 
 @contextlib.contextmanager
 def _as_before():
-    """``frozen_digest`` as it was: every entry hashed, by every caller (no `known`, no memo)."""
+    """``frozen_digest`` as it was: every entry hashed, by every caller (no `known`, no memo), and the
+    job's one checkpoint listing hashed again (not the last check's digests)."""
     import cascade_ray.stage.batched as batched
     import cascade_ray.stage.monitor as monitor
 
-    real = batched.frozen_digest
+    real, listing = batched.frozen_digest, batched.checkpoint_frozen
     plain = lambda model, plan, known=None, memo=None: real(model, plan)  # noqa: E731
     batched.frozen_digest = monitor.frozen_digest = plain
+    batched.checkpoint_frozen = lambda setup, state, before, now=None: listing(setup, state, before)
     try:
         yield
     finally:
         batched.frozen_digest = monitor.frozen_digest = real
+        batched.checkpoint_frozen = listing
 
 
 def main() -> int:
