@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from fakes import records_of, shim_logger
+from fakes import records_of, shim_logger, wrong_handoff_digest
 from paths import CONFIGS, ROOT
 
 from cascade_ray.api import RunOptions, run_pipeline
@@ -218,20 +218,12 @@ def test_the_hand_offs_digests_reach_a_stages_workers_and_every_trials(ray_sessi
     of what they received): one made wrong on the driver fails the encoder's fit, and every trial of a
     sweep of it, at the first epoch's end, naming the key; the sweep's table is written first."""
     from cascade_ray.errors import CascadeError, FrozenDriftError
-    from cascade_ray.pipeline import stages
 
-    key = "blocks.features.stem.0.weight"
-    real = stages.Handoff
-    monkeypatch.setattr(
-        stages,
-        "Handoff",
-        lambda state, ref, fp, digests=None: real(state, ref, fp, digests and digests | {key: "0" * 64}),
-    )
+    drift = wrong_handoff_digest(monkeypatch, "blocks.features.stem.0.weight")
     cfg = load_config(
         CONFIGS / "debug.yaml",
         [f"storage_path={tmp_path}", "stages.encoder.scaling.num_workers=1", "stages.encoder.train.epochs=1"],
     )
-    drift = f"frozen tensor(s) changed since the stage was handed them: {key}"
     with pytest.raises(FrozenDriftError, match=re.escape(drift)):
         run_pipeline(cfg, RunOptions(stop_after="encoder"), log=lambda _: None)
     space = tmp_path / "encoder.yaml"

@@ -69,3 +69,18 @@ def shim_logger(shim: str) -> logging.Logger:
 def checkpoint_manager_logger() -> logging.Logger:
     """Ray Train's checkpoint-manager logger, which ``ray_compat.read_run_result`` filters."""
     return shim_logger("read_run_result")
+
+
+def wrong_handoff_digest(monkeypatch, key: str) -> str:
+    """Make every hand-off the driver builds from here on carry a wrong digest for `key` (its arrays
+    unchanged): a worker that checks its frozen upstream against the hand-off's digests then fails at
+    its first epoch's end. Returns the drift message that names `key`."""
+    from cascade_ray.pipeline import stages
+
+    real = stages.Handoff
+    monkeypatch.setattr(
+        stages,
+        "Handoff",
+        lambda state, ref, fp, digests=None: real(state, ref, fp, digests and digests | {key: "0" * 64}),
+    )
+    return f"frozen tensor(s) changed since the stage was handed them: {key}"
