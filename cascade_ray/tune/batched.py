@@ -27,7 +27,7 @@ import ray
 import yaml
 
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.errors import ConfigError, ConfigIssue
+from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.features import cache_decision
 from cascade_ray.pipeline.fit import fit_stage
@@ -36,7 +36,7 @@ from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result, unrea
 from cascade_ray.stage.batched import batched_train_loop_per_worker, best_replica
 from cascade_ray.stage.batched_resume import LATEST, RESUME_DIR, ResumePoint, read_resume
 from cascade_ray.storage import StorageDir, full_uri, write_table
-from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep, table_order
+from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep, nothing_trained, table_order
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import (
     STARTUP_FILE,
@@ -225,7 +225,25 @@ def batched_sweep(
             f"batched sweep of {space.stage!r}: no earlier attempt of these {len(values)} configs kept a resume "
             "state: training them from the start"
         )
-    result = fit_stage(
+    try:
+        result = _batched_job(session, index, upstream, cache, run, replicas, space, key, point)
+    except CascadeError:  # when every replica failed, the job's last state holds why: the table, then the error
+        failed = _all_failed(run / RESUME_DIR, key)
+        if failed is None:
+            raise
+        _sweep_outputs(session, space, exp_dir, run, values, *failed, None)  # raises: nothing to adopt
+        raise
+    histories, errors, best = (result.return_value[k] for k in ("histories", "errors", "best"))
+    if (after := result.return_value.get("resumed_after")) is not None:
+        session.log(f"batched sweep of {space.stage!r}: its {len(values)} replicas continued after epoch {after}")
+    # the one fit's start-up phases, where a Tune trial writes its own (bench_trial_startup reads both)
+    (run / STARTUP_FILE).write_text(json.dumps(result.return_value.get("startup")))
+    return _sweep_outputs(session, space, exp_dir, run, values, histories, errors, best)
+
+
+def _batched_job(session, index, upstream, cache, run, replicas, space, key, point):
+    """The one TorchTrainer job of a batched sweep (``fit_stage`` with the batched loop)."""
+    return fit_stage(
         session.cfg,
         index,
         data_ref=session.data_ref,
@@ -248,12 +266,6 @@ def batched_sweep(
         },
         tracking=session.tracking,  # rank 0 logs each replica's epochs as a trial run (its trial id)
     )
-    histories, errors, best = (result.return_value[k] for k in ("histories", "errors", "best"))
-    if (after := result.return_value.get("resumed_after")) is not None:
-        session.log(f"batched sweep of {space.stage!r}: its {len(values)} replicas continued after epoch {after}")
-    # the one fit's start-up phases, where a Tune trial writes its own (bench_trial_startup reads both)
-    (run / STARTUP_FILE).write_text(json.dumps(result.return_value.get("startup")))
-    return _sweep_outputs(session, space, exp_dir, run, values, histories, errors, best)
 
 
 def _sweep_outputs(
@@ -264,10 +276,15 @@ def _sweep_outputs(
     values: list[dict[str, Any]],
     histories: list[list[dict[str, Any]]],
     errors: list[str | None],
-    best: int,
+    best: int | None,
 ) -> SweepOutcome:
     """The batched job `run`'s results as a plain sweep writes them (results table, best.yaml) and
-    ``replicas.json``; the outcome whose best trial run is `run` (its one checkpoint: the best replica)."""
+    ``replicas.json``; the outcome whose best trial run is `run` (its one checkpoint: the best replica).
+
+    Raises:
+        CascadeError: `best` is None (no replica trained through to a finite value), after the table
+            and ``replicas.json`` are written, as a plain sweep of failed trials only.
+    """
     rows = replica_rows(run.name, values, histories, errors, space.metric, space.mode)
     for k, (v, error) in enumerate(zip(values, errors)):
         if error is not None:  # as Tune marks one trial ERROR and keeps the others
@@ -278,10 +295,6 @@ def _sweep_outputs(
     )  # failed replicas last; ties in trial order, as the worker's pick
     results_path, best_yaml = exp_dir / "results.parquet", exp_dir / "best.yaml"
     write_table(pa.Table.from_pylist(table), results_path)
-    best_yaml.write_text(
-        f"# best of {len(rows)} trials (batched) of stage {space.stage!r} by {space.metric} ({space.mode})\n"
-        + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values[best].items()}, sort_keys=True)
-    )
     (exp_dir / REPLICAS_FILE).write_text(
         json.dumps(
             [
@@ -290,6 +303,12 @@ def _sweep_outputs(
             ],
             indent=1,
         )
+    )
+    if best is None:
+        raise nothing_trained(space, table, results_path)
+    best_yaml.write_text(
+        f"# best of {len(rows)} trials (batched) of stage {space.stage!r} by {space.metric} ({space.mode})\n"
+        + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values[best].items()}, sort_keys=True)
     )
     return SweepOutcome(
         space.stage, values[best], float(rows[best][space.metric]), run, histories[best], table, results_path, best_yaml
@@ -325,17 +344,18 @@ def trial_id(run_name: str, k: int) -> str:
 
 def finished_attempt(
     point: ResumePoint | None, epochs: int, metric: str, mode: str
-) -> tuple[list[list[dict[str, Any]]], list[str | None], int] | None:
+) -> tuple[list[list[dict[str, Any]]], list[str | None], int | None] | None:
     """(histories, errors, best replica) of the attempt `point` was kept by, when it had nothing
     left to train (every epoch done, or every replica stopped early or failed) and its Ray run
-    ended with its one report: the best replica's checkpoint, as the job picks it. None otherwise
+    ended with its one report: the best replica's checkpoint, as the job picks it; best None when
+    every replica failed (there is nothing to adopt, and no report to wait for). None otherwise
     (a new attempt then continues the state, or trains from the start)."""
     if point is None:
         return None
-    replicas = point.load()["replicas"]
-    done = point.epochs_done >= epochs or all(r["done"] or r["error"] is not None for r in replicas)
-    histories = [list(r["trainer"]["history"]) for r in replicas]
-    errors = [r["error"] for r in replicas]
+    histories, errors = state_results(point)
+    done = point.epochs_done >= epochs or all(r["done"] or r["error"] is not None for r in point.load()["replicas"])
+    if done and all(e is not None for e in errors):
+        return histories, errors, None
     best = best_replica(histories, errors, metric, mode)  # as the job picks
     if not done or best is None:
         return None
@@ -346,6 +366,25 @@ def finished_attempt(
     if result.checkpoint is None or (result.metrics or {}).get("replica") != best:
         return None
     return histories, errors, best
+
+
+def _all_failed(folder: StorageDir, key: str) -> tuple[list[list[dict[str, Any]]], list[str]] | None:
+    """(histories, errors) of the newest resume state under `folder` when it was written by `key`'s
+    replicas and every one of them had failed; None otherwise (or when it cannot be read)."""
+    try:
+        state = read_resume(folder)
+    except CascadeError:  # a damaged state: the job's own error is the one to show
+        return None
+    if state is None or state.key != key:
+        return None
+    histories, errors = state_results(state)
+    return (histories, errors) if all(e is not None for e in errors) else None
+
+
+def state_results(point: ResumePoint) -> tuple[list[list[dict[str, Any]]], list[str | None]]:
+    """Every replica's epoch history and error (None: trained through) in a verified resume state."""
+    replicas = point.load()["replicas"]
+    return [list(r["trainer"]["history"]) for r in replicas], [r["error"] for r in replicas]
 
 
 def replicas_key(configs: list[PipelineConfig], index: int, upstream_fp: str, data_fp: str) -> str:

@@ -126,12 +126,7 @@ def sweep_stage(
     write_table(pa.Table.from_pylist(table), results_path)
     top = table[0] if table else {"error": None, space.metric: None}
     if top["error"] is not None or rank(top[space.metric], space.mode)[0]:
-        first = next((row["error"] for row in table if row["error"] is not None), "none")
-        raise CascadeError(
-            f"sweep of {space.stage!r}: every trial failed or reported no finite {space.metric!r} "
-            f"(table: {results_path}); first error: {first}. Narrow the space to values that train (each "
-            "trial's error is in the table's error column)"
-        )
+        raise nothing_trained(space, table, results_path)
     best = next(r for r in grid if r.metrics.get("trial_id") == top["trial_id"])
     values = stage_values(encoded_keys(space), {k: best.config[k] for k in space.space})
     best_yaml = exp_dir / "best.yaml"
@@ -183,6 +178,17 @@ def trial_rows(results: Iterable[Any], space: TuneSpace) -> list[dict[str, Any]]
         )
     columns = dict.fromkeys(k for row in rows for k in row)  # every row every column (a value-less one too)
     return [{k: row.get(k) for k in columns} for row in rows]
+
+
+def nothing_trained(space: TuneSpace, table: list[dict[str, Any]], results_path: StorageDir) -> CascadeError:
+    """The error of a sweep (plain or batched) none of whose trials trained through to a finite value,
+    naming the table it wrote and its first failure."""
+    first = next((row["error"] for row in table if row["error"] is not None), "none")
+    return CascadeError(
+        f"sweep of {space.stage!r}: every trial failed or reported no finite {space.metric!r} "
+        f"(table: {results_path}); first error: {first}. Narrow the space to values that train (each "
+        "trial's error is in the table's error column)"
+    )
 
 
 def table_order(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, Any]]:

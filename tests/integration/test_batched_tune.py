@@ -189,6 +189,52 @@ def test_the_hand_offs_digests_reach_the_batched_workers(sweep, tmp_path, monkey
     options = RunOptions(
         spaces=(("classifier", str(tmp / "classifier.yaml")),), stop_after="classifier", batched=True, resume=True
     )
-    with pytest.raises(CascadeError, match="every replica of the batched sweep failed") as failed:
+    with pytest.raises(CascadeError, match="every trial failed") as failed:
         run_pipeline(again, options, log=lambda _: None)
     assert drift in str(failed.value)
+
+
+ALL_DIVERGE = """
+stage: classifier
+metric: val_accuracy
+mode: max
+num_samples: 1
+search: grid
+scheduler: {type: fifo}
+evaluate_current: false
+space:
+  solver.lr: {grid: [1.0e+29, 1.0e+30]}  # SGD: the loss is NaN within the first steps, for both
+"""
+
+
+def test_a_batched_sweep_whose_replicas_all_fail_writes_its_table_and_resume_starts_no_job(sweep, tmp_path):
+    """As a plain sweep of failed trials only: the table and replicas.json name each replica's failure, no
+    best.yaml, an error naming the table; ``--resume`` reads the finished attempt's state and starts no job."""
+    import shutil
+
+    from cascade_ray.errors import CascadeError
+
+    cfg, summary, _, tmp = sweep
+    for stage in ("features", "encoder"):  # the module run's upstream, reused by --resume
+        shutil.copytree(Path(summary["storage"]) / "stages" / stage, tmp_path / cfg.name / "stages" / stage)
+    space = tmp_path / "diverge.yaml"
+    space.write_text(ALL_DIVERGE)
+    again = load_config(
+        CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", *QUICK, "stages.classifier.solver.type=SGD"]
+    )
+    exp = tmp_path / cfg.name / "tune" / "classifier"
+    for attempt in ("first", "resumed"):
+        options = RunOptions(spaces=(("classifier", str(space)),), stop_after="classifier", batched=True, resume=True)
+        logs: list[str] = []
+        with pytest.raises(CascadeError, match=r"every trial failed or reported no finite 'val_accuracy'") as failed:
+            run_pipeline(again, options, log=logs.append)
+        assert str(exp / "results.parquet") in str(failed.value) and "nonfinite" in str(failed.value)
+        table = pq.read_table(exp / "results.parquet").to_pylist()
+        assert [r["config/solver.lr"] for r in table] == [1e29, 1e30], attempt
+        assert all("nonfinite" in r["error"] and r["epoch"] == 0 for r in table), table
+        assert all(r["error"] for r in json.loads((exp / "replicas.json").read_text()))
+        assert not (exp / "best.yaml").exists()
+        assert sum("failed and is not a candidate for best" in line for line in logs) == 2, logs
+        started = [line for line in logs if "no job is started" in line]
+        assert (started == []) if attempt == "first" else (len(started) == 1), logs
+    assert [p.name for p in (exp / "trials").iterdir()] == ["batched-a1"]  # the resume ran no second attempt
