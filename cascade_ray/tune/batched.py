@@ -352,8 +352,9 @@ def finished_attempt(
     (a new attempt then continues the state, or trains from the start)."""
     if point is None:
         return None
-    histories, errors = state_results(point)
-    done = point.epochs_done >= epochs or all(r["done"] or r["error"] is not None for r in point.load()["replicas"])
+    replicas = point.load()["replicas"]  # one deserialization of the state
+    histories, errors = state_results(replicas)
+    done = point.epochs_done >= epochs or all(r["done"] or r["error"] is not None for r in replicas)
     if done and all(e is not None for e in errors):
         return histories, errors, None
     best = best_replica(histories, errors, metric, mode)  # as the job picks
@@ -377,13 +378,13 @@ def _all_failed(folder: StorageDir, key: str) -> tuple[list[list[dict[str, Any]]
         return None
     if state is None or state.key != key:
         return None
-    histories, errors = state_results(state)
+    histories, errors = state_results(state.load()["replicas"])
     return (histories, errors) if all(e is not None for e in errors) else None
 
 
-def state_results(point: ResumePoint) -> tuple[list[list[dict[str, Any]]], list[str | None]]:
-    """Every replica's epoch history and error (None: trained through) in a verified resume state."""
-    replicas = point.load()["replicas"]
+def state_results(replicas: list[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]], list[str | None]]:
+    """Every replica's epoch history and error (None: trained through) in a verified resume state's
+    ``replicas`` (``ResumePoint.load()["replicas"]``)."""
     return [list(r["trainer"]["history"]) for r in replicas], [r["error"] for r in replicas]
 
 
