@@ -17,6 +17,7 @@ sweep is one Train job: its rank 0 prints the same lines, one per replica at eac
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -26,6 +27,8 @@ from typing import Any, TextIO
 from ray import tune
 
 from cascade_ray.stage.progress import format_trial
+
+FINISHED = ("TERMINATED", "ERROR")  # Tune's end states: a restored experiment starts such a trial no more
 
 
 @dataclass
@@ -54,9 +57,12 @@ class SweepBoard:
     def better(self, a: float, b: float | None) -> bool:
         return b is None or (a > b if self.mode == "max" else a < b)
 
-    def update(self, trial: str, *, state: str | None = None, result: dict[str, Any] | None = None) -> bool:
+    def update(
+        self, trial: str, *, state: str | None = None, result: dict[str, Any] | None = None, best: Any = None
+    ) -> bool:
         """Record a state or an epoch result of `trial`; True when its line changed state or epoch
-        (what a plain log prints a line for)."""
+        (what a plain log prints a line for). `best`: a value of the metric it reported before this
+        board saw it (a restored trial's best epoch)."""
         row = self.rows.get(trial)
         if row is None:
             row = self.rows[trial] = TrialRow(epochs=self.epochs)
@@ -77,6 +83,9 @@ class SweepBoard:
             epochs = (result.get("config") or {}).get("train.epochs")
             if isinstance(epochs, int):
                 row.epochs = epochs
+        finite = isinstance(best, int | float) and not isinstance(best, bool) and math.isfinite(best)
+        if finite and self.better(float(best), row.best):
+            row.best = float(best)
         return changed
 
     def leader(self) -> str | None:
@@ -151,7 +160,12 @@ class SweepProgress(tune.Callback):
 
     def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
         for trial in trials:  # new trials (PENDING) and state changes Tune has no hook for (PAUSED)
-            self._changed(trial.trial_id, state=trial.status)
+            if trial.trial_id not in self.board.rows and trial.status in FINISHED:
+                # a resumed sweep's trial that had finished: Tune reports nothing more of it, so its line
+                # shows the epochs it reported before (not "epoch 0/N")
+                self._changed(trial.trial_id, state=trial.status, **self._reported(trial))
+            else:
+                self._changed(trial.trial_id, state=trial.status)
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self._changed(trial.trial_id, state="RUNNING")
@@ -174,6 +188,16 @@ class SweepProgress(tune.Callback):
             set_print_guard(self.previous)
             self.previous = None
         self.drawn = 0
+
+    def _reported(self, trial: Any) -> dict[str, Any]:
+        """What a finished trial of a restored experiment reported: its last result and its best value of
+        the metric (Tune's ``Trial.last_result`` and ``Trial.metric_analysis``, restored with the experiment)."""
+        last = getattr(trial, "last_result", None)
+        analysis = (getattr(trial, "metric_analysis", None) or {}).get(self.board.metric) or {}
+        return {
+            "result": dict(last) if isinstance(last, dict) and "epoch" in last else None,
+            "best": analysis.get(self.board.mode),
+        }
 
     # -- rendering -----------------------------------------------------------------------------------
 

@@ -111,3 +111,28 @@ def test_the_callback_pickles_without_its_stream():
     progress.on_step_end(0, _trials("a"))
     copy = pickle.loads(pickle.dumps(progress))
     assert copy.stream_ is None and copy.board.lines() == progress.board.lines()
+
+
+def test_a_resumed_sweeps_finished_trials_show_the_epochs_they_reported():
+    """A restored experiment's finished trials report nothing more: their lines come from what Tune restored
+    with them (the last result, the metric's best), not "epoch 0/2 | val_accuracy -"; a trial that had not
+    finished starts from nothing as before."""
+    done = SimpleNamespace(
+        trial_id="a_00000",
+        status="TERMINATED",
+        last_result={"epoch": 2, "val_accuracy": 0.6, "trial_id": "a_00000"},
+        metric_analysis={"val_accuracy": {"max": 0.7, "min": 0.6, "avg": 0.65, "last": 0.6}},
+    )
+    again = SimpleNamespace(trial_id="b_00001", status="PENDING", last_result={"trial_id": "b_00001"})
+    out = io.StringIO()
+    progress = SweepProgress("val_accuracy", "max", 2, stream=out, tty=False)
+    progress.on_step_end(0, [done, again])
+    progress.on_step_end(1, [done, again])  # nothing changed: no more lines
+    assert out.getvalue().splitlines() == [
+        "trial a_00000 TERMINATED | epoch 2/2 | val_accuracy 0.6000 | best 0.7000 *",
+        "trial b_00001 PENDING    | epoch 0/2 | val_accuracy - | best -",
+    ]
+    lost = SimpleNamespace(trial_id="c", status="ERROR", last_result={"trial_id": "c"}, metric_analysis={})
+    board = SweepProgress("val_loss", "min", 3, stream=io.StringIO(), tty=False)
+    board.on_step_end(0, [lost])  # finished before its first report: nothing to show but its state
+    assert board.board.lines() == ["trial c ERROR      | epoch 0/3 | val_loss - | best -"]
