@@ -132,8 +132,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     return args
 
 
-def run_options(args: argparse.Namespace, cfg: PipelineConfig) -> RunOptions:
-    """The :class:`RunOptions` of parsed run flags, checked against `cfg` (``--profile`` stage names)."""
+def run_options(args: argparse.Namespace, cfg: PipelineConfig, config_arg: str | None = None) -> RunOptions:
+    """The :class:`RunOptions` of parsed run flags, checked against `cfg` (``--profile`` stage names).
+    `config_arg`: the config and overrides as typed (default: ``args.config`` and ``args.overrides``)."""
     from cascade_ray.stage.profiler import check_profile_stages
 
     spaces: tuple[tuple[str, str], ...] = ()
@@ -155,6 +156,7 @@ def run_options(args: argparse.Namespace, cfg: PipelineConfig) -> RunOptions:
         break_lock=args.break_lock,
         overwrite=args.overwrite,
         trust_tune_state=args.trust_tune_state,
+        config_arg=config_arg or shlex.join([str(args.config), *getattr(args, "overrides", [])]),
     )
 
 
@@ -458,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 config_arg=config_arg,
             )
         else:
-            options = run_options(args, cfg)
+            options = run_options(args, cfg, config_arg)
         apply_log_level(options.log_level)
         run_pipeline(cfg, options)
         return 0

@@ -24,7 +24,6 @@ from typing import Any
 
 import pyarrow as pa
 import ray
-import yaml
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue
@@ -36,7 +35,14 @@ from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result, unrea
 from cascade_ray.stage.batched import batched_train_loop_per_worker, best_replica
 from cascade_ray.stage.batched_resume import LATEST, RESUME_DIR, ResumePoint, read_resume
 from cascade_ray.storage import StorageDir, full_uri, write_table
-from cascade_ray.tune.run import CONFIG_PREFIX, SweepOutcome, finish_sweep, nothing_trained, table_order
+from cascade_ray.tune.run import (
+    CONFIG_PREFIX,
+    SweepOutcome,
+    best_yaml_text,
+    finish_sweep,
+    nothing_trained,
+    table_order,
+)
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.sweep import (
     STARTUP_FILE,
@@ -286,10 +292,13 @@ def _sweep_outputs(
             and ``replicas.json`` are written, as a plain sweep of failed trials only.
     """
     rows = replica_rows(run.name, values, histories, errors, space.metric, space.mode)
-    for k, (v, error) in enumerate(zip(values, errors)):
-        if error is not None:  # as Tune marks one trial ERROR and keeps the others
+    for k, (row, v, error) in enumerate(zip(rows, values, errors)):
+        if error is not None:  # as Tune marks one trial ERROR and keeps the others; named as the table names it
             shown = ", ".join(f"{key}={value!r}" for key, value in v.items())
-            session.log(f"WARNING batched replica {k} ({shown}) failed and is not a candidate for best: {error}")
+            session.log(
+                f"WARNING trial {row['trial_id']} (batched replica {k}: {shown}) failed and is not a candidate "
+                f"for best: {error}"
+            )
     table = table_order(
         rows, space.metric, space.mode
     )  # failed replicas last; ties in trial order, as the worker's pick
@@ -306,10 +315,7 @@ def _sweep_outputs(
     )
     if best is None:
         raise nothing_trained(space, table, results_path)
-    best_yaml.write_text(
-        f"# best of {len(rows)} trials (batched) of stage {space.stage!r} by {space.metric} ({space.mode})\n"
-        + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values[best].items()}, sort_keys=True)
-    )
+    best_yaml.write_text(best_yaml_text(session, space, len(rows), values[best], batched=True))
     return SweepOutcome(
         space.stage, values[best], float(rows[best][space.metric]), run, histories[best], table, results_path, best_yaml
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from cascade_ray.pipeline.failures import error_message
 from cascade_ray.pipeline.records import SweepRecord
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
 from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
-from cascade_ray.storage import StorageDir, full_uri, write_table
+from cascade_ray.storage import StorageDir, full_uri, redact, write_table
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.state import write_state
 from cascade_ray.tune.sweep import build_tuner, encoded_keys, explain_reference, stage_values, trial_config
@@ -130,10 +131,7 @@ def sweep_stage(
     best = next(r for r in grid if r.metrics.get("trial_id") == top["trial_id"])
     values = stage_values(encoded_keys(space), {k: best.config[k] for k in space.space})
     best_yaml = exp_dir / "best.yaml"
-    best_yaml.write_text(
-        f"# best of {len(table)} trials of stage {space.stage!r} by {space.metric} ({space.mode})\n"
-        + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values.items()}, sort_keys=True)
-    )
+    best_yaml.write_text(best_yaml_text(session, space, len(table), values))
     history = (
         [
             {k: v for k, v in row.items() if not k.startswith(CONFIG_PREFIX)}
@@ -151,6 +149,35 @@ def sweep_stage(
         table,
         results_path,
         best_yaml,
+    )
+
+
+def best_yaml_text(
+    session: StageSession, space: TuneSpace, trials: int, values: dict[str, Any], *, batched: bool = False
+) -> str:
+    """``best.yaml``: the best trial's swept values as overrides, under a header saying what else that
+    trial trained with (the config and overrides the sweep ran on, the best of the stages swept before it
+    in the same run) and the command that trains its config again."""
+    swept = [stage for stage, _ in session.options.spaces]
+    before = swept[: swept.index(space.stage)] if space.stage in swept else []
+    files = [str(session.out / "tune" / stage / "best.yaml") for stage in before]
+    files.append(str(session.out / "tune" / space.stage / "best.yaml"))
+    config_arg = redact(session.options.config_arg)  # the file may be read by others: no credentials in it
+    lines = [
+        f"# best of {trials} trials{' (batched)' if batched else ''} of stage {space.stage!r} by {space.metric} "
+        f"({space.mode})",
+        f"# the swept values only; the sweep ran on: {config_arg}",
+        *(
+            [f"# on the best of the stages swept before it: {', '.join(repr(stage) for stage in before)}"]
+            if before
+            else []
+        ),
+        f"# its config again: cascade-ray run {config_arg} {shlex.join(files)}",
+    ]
+    return (
+        "\n".join(lines)
+        + "\n"
+        + yaml.safe_dump({f"stages.{space.stage}.{k}": v for k, v in values.items()}, sort_keys=True)
     )
 
 

@@ -6,6 +6,7 @@ all against ``s3://cascade/<prefix>/``. Nothing is written to a local run folder
 from __future__ import annotations
 
 import json
+import shlex
 import uuid
 
 import numpy as np
@@ -162,6 +163,10 @@ def test_a_sweep_and_its_restore_run_on_the_bucket(first_run, tmp_path, capsys):
     assert len({k.split("/")[6] for k in keys if k.startswith(f"{exp}/trials/trial-")}) == 2
     best = as_storage(s3.uri(exp, "best.yaml")).read_text()
     assert "stages.classifier.solver.lr" in best
+    header = [line for line in best.splitlines() if line.startswith("#")]
+    # what else the best trial trained with: this command line, and the command that trains its config again
+    assert f"# the swept values only; the sweep ran on: {shlex.join([args[1], *args[4:-3]])}" in header, best
+    assert any(line.startswith("# its config again: cascade-ray run ") for line in header), best
     for stage in ("features", "encoder"):  # reused: the copies are untouched (a fit writes a new manifest)
         kept, source = (
             as_storage(s3.uri(prefix, runs, "debug", "stages", stage, "manifest.json")) for runs in ("sweep", "runs")

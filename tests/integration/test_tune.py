@@ -211,6 +211,19 @@ def test_a_trial_that_fails_is_in_the_table_with_its_error_and_never_adopted(ray
     printed = [row for line in lines for row in line.splitlines()]  # the table is logged as one block
     shown = next(row for row in printed if row.startswith(str(bad["trial_id"])))
     assert shown.endswith("FAILED (not a candidate)")
+    # the swept values only (solver.type=SGD came from an override): the header says so
+    assert "# the swept values only; the sweep ran on: CONFIG\n" in Path(record["sweep"]["best"]).read_text()
+
+    # --resume: the trial that finished is shown with the epochs it reported, not "epoch 0/2"
+    # (the failed one is restored to train again: Tuner.restore(resume_errored=True))
+    out = io.StringIO()
+    options = RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder", resume=True)
+    with contextlib.redirect_stdout(out):
+        run_pipeline(cfg, options, log=lambda _: None)
+    epochs = cfg.stages[1].train.epochs
+    first = next(line for line in out.getvalue().splitlines() if line.startswith(f"trial {good['trial_id']} "))
+    assert first.startswith(f"trial {good['trial_id']} TERMINATED | epoch {epochs}/{epochs} | val_accuracy 0."), first
+    assert f"| best {good['val_accuracy']:.4f}" in first, (first, good)
 
 
 def test_the_hand_offs_digests_reach_a_stages_workers_and_every_trials(ray_session, tmp_path, monkeypatch):

@@ -120,3 +120,36 @@ def test_the_batched_pick_and_the_table_agree_on_non_finite_values():
     rows = [_row(str(k), h[-1]["val_loss"], e) for k, (h, e) in enumerate(zip(histories, errors))]
     assert table_order(rows, "val_loss", "min")[0]["trial_id"] == "1"
     assert best_replica(histories[:1] + histories[2:3], [None, None], "val_loss", "min") is None  # none finite
+
+
+def test_best_yaml_names_what_else_the_best_trial_trained_with_and_no_credentials(tmp_path):
+    """best.yaml holds the swept values only; its header names the command line the sweep ran on
+    (credentials in a URI left out) and the command that trains the trial's config again, with the
+    best.yaml of each stage swept before it in the same run."""
+    from types import SimpleNamespace
+
+    from cascade_ray.config.yaml_io import read_yaml
+    from cascade_ray.options import RunOptions
+    from cascade_ray.storage import as_storage
+    from cascade_ray.tune.run import best_yaml_text
+
+    options = RunOptions(
+        spaces=(("encoder", "e.yaml"), ("classifier", "c.yaml")),
+        config_arg="debug stages.classifier.solver.type=SGD storage_path=s3://AKID:s3cret@bucket/runs",
+    )
+    session = SimpleNamespace(options=options, out=as_storage(tmp_path / "debug"))
+    space = SimpleNamespace(stage="classifier", metric="val_accuracy", mode="max")
+    text = best_yaml_text(session, space, 4, {"solver.lr": 0.01}, batched=True)
+    assert "s3cret" not in text and "AKID" not in text
+    header = text.splitlines()[:4]
+    assert header == [
+        "# best of 4 trials (batched) of stage 'classifier' by val_accuracy (max)",
+        "# the swept values only; the sweep ran on: debug stages.classifier.solver.type=SGD "
+        "storage_path=s3://bucket/runs",
+        "# on the best of the stages swept before it: 'encoder'",
+        "# its config again: cascade-ray run debug stages.classifier.solver.type=SGD storage_path=s3://bucket/runs "
+        f"{tmp_path}/debug/tune/encoder/best.yaml {tmp_path}/debug/tune/classifier/best.yaml",
+    ]
+    best = tmp_path / "best.yaml"
+    best.write_text(text)
+    assert read_yaml(best) == {"stages.classifier.solver.lr": 0.01}  # read back as overrides: the values only
