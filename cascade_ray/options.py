@@ -43,7 +43,8 @@ class RunOptions:
     """Run every sweep in ``spaces`` batched: one TorchTrainer job for all its configs (``--batched``)."""
     config_arg: str = "CONFIG"
     """The config as the user named it on the command line, with its overrides (``debug
-    stages.classifier.train.epochs=3``): the commands an error suggests repeat it, so they run as printed."""
+    stages.classifier.train.epochs=3``): the commands an error suggests repeat it, so they run as printed, and
+    a sweep's ``best.yaml`` names it (credentials redacted) as what its swept values apply to."""
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
