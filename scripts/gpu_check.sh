@@ -4,7 +4,7 @@
 #   2. tests/gpu: Ray Train's NCCL/gloo choice, fp16 GradScaler + bf16 autocast, the debug
 #      pipeline on GPU with use_gpu auto and bf16 / fp16 stages, 2 GPU workers + SyncBatchNorm
 #      (when there are 2 GPUs), the feature cache computed by GPU tasks, batched-sweep replicas
-#      on CUDA;
+#      on CUDA (their configs' weights; one device copy of the frozen upstream for all of them);
 #   3. the debug pipeline as a user runs it, with a bf16 features stage, printing test_accuracy;
 #   4. GPU step throughput of run_stage vs a bare PyTorch loop (benchmarks/bench_step.py
 #      --device cuda: the demo's first stage on Fashion-MNIST, which must be installed).

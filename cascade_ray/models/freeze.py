@@ -112,10 +112,10 @@ def frozen_digest(
     `known` instead of hashing it again; entries the model holds a copy of are hashed.
 
     `memo`: digests of the tensors hashed by earlier calls in the same pass, by the memory they
-    view. Models that view the same arrays (on the CPU, a batched sweep's replicas all view one
-    hand-off; on a GPU each holds its own copy) then hash them once per pass. The memo holds each
-    tensor it names, so no other tensor can take its memory during the pass. Valid only while
-    nothing writes in between: one check's pass.
+    view. Models that view the same arrays (a batched sweep's replicas all hold the first one's
+    frozen tensors: on the CPU one hand-off, on a GPU one device copy) then hash them once per
+    pass. The memo holds each tensor it names, so no other tensor can take its memory during the
+    pass. Valid only while nothing writes in between: one check's pass.
     """
     state = model.state_dict()
     shared = getattr(model, SHARED_KEYS_ATTR, frozenset())

@@ -130,6 +130,38 @@ def share_numpy_state(module: nn.Module, state: Mapping[str, np.ndarray], keys: 
     return sorted(shared)
 
 
+def share_tensors(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Make each entry of `tensors` `module`'s parameter or buffer of that name: the same memory,
+    no copy (a parameter stays a ``Parameter`` with its ``requires_grad``).
+
+    For frozen entries that another model built from the same hand-off already holds where this
+    one trains (:func:`frozen_views`): a batched sweep's replicas on a GPU then hold one device
+    copy of their frozen upstream, not one each. The same rules as :func:`share_numpy_state`:
+    nothing may write these tensors. An entry whose dtype or shape differs, or that is not a plain
+    parameter or buffer path of `module`, is left as it is.
+
+    Returns:
+        The keys now shared, sorted.
+    """
+    owners = dict(module.named_modules(remove_duplicate=False))
+    plain = _plain_assignment_allowed()
+    done = []
+    for key, tensor in tensors.items():
+        path, _, leaf = key.rpartition(".")
+        owner = owners.get(path)
+        if owner is not None and _set_view(owner, leaf, tensor.detach(), plain):
+            done.append(key)
+    return sorted(done)
+
+
+def frozen_views(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s entries that hold the hand-off's bytes unchanged (:data:`SHARED_KEYS_ATTR`: views of its
+    arrays, or the device copies ``module.to`` made of them), for :func:`share_tensors` into another
+    model built from the same hand-off."""
+    shared = getattr(module, SHARED_KEYS_ATTR, frozenset())
+    return {k: v for k, v in module.state_dict().items() if k in shared}
+
+
 def _plain_assignment_allowed() -> bool:
     """Whether no global parameter or buffer registration hook is installed
     (``torch.nn.modules.module.register_module_*_registration_hook``): then replacing a

@@ -54,6 +54,7 @@ from cascade_ray.models.dropout import shared_masks
 from cascade_ray.models.freeze import DigestMemo, frozen_digest
 from cascade_ray.models.metrics import EvalMetrics
 from cascade_ray.models.plan import remember_plans
+from cascade_ray.models.weights import frozen_views
 from cascade_ray.solver import EarlyStopping, clip_gradients
 from cascade_ray.stage.batched_resume import ResumeWriter, read_resume
 from cascade_ray.stage.grouped import GROUP_SIZE, GroupedSteps
@@ -309,9 +310,9 @@ def train_replicas(
     groups of up to `group_size` (:mod:`.grouped`; 1: every replica steps alone). `names`: what
     the progress lines call each replica, the trial ids of the sweep's results table (default
     ``replica-<k>``). `upstream_digests`: `upstream`'s tensor digests as the driver's hand-off carries
-    them: the digests every replica's frozen upstream is checked against. On the CPU every
-    replica's frozen upstream views the same arrays, and each epoch's check hashes them once for
-    all replicas (on a GPU each replica holds its own copy, hashed for itself).
+    them: the digests every replica's frozen upstream is checked against. Every replica holds the
+    first one's frozen upstream tensors (``setup_stage(frozen=)``): on the CPU views of the same
+    arrays, on a GPU one device copy for all replicas; each epoch's check hashes them once for all.
 
     Raises:
         ConfigError: `features` is missing (the stage must train on cached upstream outputs).
@@ -324,7 +325,11 @@ def train_replicas(
     base = cfgs[0].stages[index]
     shown = replica_names(cfgs, names)
     memo: DigestMemo = {}  # the frozen tensors the replicas share are hashed once, not once per replica
-    replicas = [_replica(cfg, index, data, upstream, reporter, device, wrap, upstream_digests, memo) for cfg in cfgs]
+    replicas: list[Replica] = []
+    frozen = None  # every replica holds the first one's frozen upstream (on a GPU: one device copy, not K)
+    for cfg in cfgs:
+        replicas.append(_replica(cfg, index, data, upstream, reporter, device, wrap, upstream_digests, memo, frozen))
+        frozen = frozen_views(replicas[0].setup.model) if frozen is None else frozen
     grouped = GroupedSteps(replicas, group_size)
     if clock is not None:
         clock.mark("setup")
@@ -450,8 +455,9 @@ def _print_replicas(
         print(f"[{stage}] {line}", flush=True)
 
 
-def _replica(cfg, index, data, upstream, reporter, device, wrap, known=None, memo=None) -> Replica:
-    setup = setup_stage(cfg, index, data, upstream, device, world=reporter.world)  # seeds torch as a lone stage
+def _replica(cfg, index, data, upstream, reporter, device, wrap, known=None, memo=None, frozen=None) -> Replica:
+    # seeds torch as a lone stage; `frozen`: the first replica's frozen upstream, held instead of a copy
+    setup = setup_stage(cfg, index, data, upstream, device, world=reporter.world, frozen=frozen)
     rng = torch.get_rng_state()  # the lone stage's generators right after its setup
     setup.model.input_stage = setup.stage.name  # forward starts at the stage's own adapter/module
     digest = frozen_digest(setup.model, setup.plan, known, memo)  # as the lone loop: before the wrap, before training

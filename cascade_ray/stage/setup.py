@@ -30,7 +30,7 @@ from cascade_ray.models.freeze import TrainablePlan, apply_freeze, plan_trainabl
 from cascade_ray.models.losses import build_loss
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.pretrained import load_pretrained
-from cascade_ray.models.weights import load_numpy_state, share_numpy_state
+from cascade_ray.models.weights import SHARED_KEYS_ATTR, load_numpy_state, share_numpy_state, share_tensors
 from cascade_ray.solver import (
     LrSchedule,
     Precision,
@@ -140,6 +140,7 @@ def setup_stage(
     make_scaler: ScalerFactory | None = None,
     hardware: Hardware | None = None,
     shard: bool = False,
+    frozen: Mapping[str, torch.Tensor] | None = None,
 ) -> StageSetup:
     """Build stage `index`'s model, solver and loss for a run on `world` ranks.
 
@@ -154,6 +155,9 @@ def setup_stage(
         hardware: what `device` runs natively; default detected (tests inject a capability).
         shard: a worker of a distributed run (process group up): with ``scaling.strategy: fsdp``
             and `world` > 1 the trainable layers are sharded (:mod:`cascade_ray.stage.sharding`).
+        frozen: another model's frozen upstream tensors from the same `upstream`, already on `device`
+            (``models.weights.frozen_views``): this model holds those instead of its own copies (a
+            batched sweep's replicas on a GPU: one host-to-device copy for all of them).
 
     Raises:
         ConfigError: the precision does not fit `device`.
@@ -165,6 +169,8 @@ def setup_stage(
     # On the CPU frozen upstream tensors stay views of `upstream` (no copy: .to is a no-op);
     # on a GPU .to makes the one host-to-device copy per worker
     model, plan = build_stage_model(cfg, index, data, upstream)
+    if frozen:  # the same bytes (both views of `upstream`), already on `device`: .to leaves them there
+        share_tensors(model, {k: frozen[k] for k in getattr(model, SHARED_KEYS_ATTR, frozenset()) if k in frozen})
     model.to(device)
     if device.type == "cpu":
         keep_freed_memory()  # every step's tensors reused, not unmapped and faulted in again (stage/allocator.py)

@@ -230,3 +230,66 @@ def test_share_goes_through_a_modules_own_setattr_and_the_global_registration_ho
     assert "running_var" in plain._buffers and float(plain.running_var[0]) == 3
     for key, tensor in plain.state_dict().items():
         assert np.shares_memory(tensor.numpy(), state[key]), key
+
+
+def _device_copies(monkeypatch):
+    """Stand in for a GPU on the CPU: every model setup_stage builds holds copies of all its tensors, as
+    ``model.to("cuda")`` leaves it (its frozen upstream still marked as the hand-off's bytes)."""
+    import cascade_ray.stage.setup as setup
+
+    real = setup.build_stage_model
+
+    def copied(*args, **kwargs):
+        model, plan = real(*args, **kwargs)
+        model._apply(lambda t: t.clone())
+        return model, plan
+
+    monkeypatch.setattr(setup, "build_stage_model", copied)
+
+
+def test_a_model_set_up_with_anothers_frozen_tensors_holds_them_not_copies(digits, upstream, monkeypatch):
+    """setup_stage(frozen=): the frozen upstream entries are the given model's memory (no copy of their
+    own, whatever the device made of the hand-off), as their own Parameters; what the stage trains is its own."""
+    from cascade_ray.models.weights import frozen_views
+    from cascade_ray.stage.setup import setup_stage
+
+    _device_copies(monkeypatch)
+    cfg = load_config(CONFIGS / "debug.yaml")
+    first = setup_stage(cfg, 1, digits, upstream, torch.device("cpu"))
+    views = frozen_views(first.model)
+    assert set(first.plan.frozen_keys) <= set(views)
+    alone = setup_stage(cfg, 1, digits, upstream, torch.device("cpu"))
+    second = setup_stage(cfg, 1, digits, upstream, torch.device("cpu"), frozen=views)
+    mine, theirs, apart = (s.model.state_dict(keep_vars=True) for s in (second, first, alone))
+    for key in first.plan.frozen_keys:
+        assert mine[key].data_ptr() == theirs[key].data_ptr() != apart[key].data_ptr(), key
+        assert mine[key] is not theirs[key] and not mine[key].requires_grad, key
+        assert torch.equal(mine[key], apart[key]), key
+    trained = [k for k in mine if k.startswith("blocks.encoder.")]
+    assert trained and all(mine[k].data_ptr() != theirs[k].data_ptr() for k in trained)
+    assert frozen_digest(second.model, second.plan) == frozen_digest(alone.model, alone.plan)
+
+
+def test_a_batched_sweeps_replicas_hold_one_copy_of_the_frozen_upstream(digits, monkeypatch):
+    """On a GPU each replica's model.to(device) copied the frozen upstream: K device copies. Now every
+    replica holds the first one's (the stand-in copies every model's tensors as the device would)."""
+    from fakes import ListReporter
+
+    from cascade_ray.pipeline.features import upstream_outputs
+    from cascade_ray.stage.batched import train_replicas
+    from cascade_ray.tune.sweep import trial_config
+
+    cfg = load_config(CONFIGS / "debug.yaml")
+    model, _ = build_stage_model(cfg, 1, digits, None)
+    hand_off = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    out = upstream_outputs(cfg, 2, digits, hand_off)
+    features = {"x_train": out["train"], "x_val": out["val"]}
+    cfgs = [trial_config(cfg, "classifier", {"solver.lr": lr}) for lr in (0.01, 0.02, 0.05)]
+    _device_copies(monkeypatch)
+    replicas = train_replicas(
+        cfgs, 2, digits, hand_off, features, ListReporter(), torch.device("cpu"), metric="val_accuracy", mode="max"
+    )
+    assert all(r.error is None for r in replicas)
+    frozen = replicas[0].setup.plan.frozen_keys
+    held = [r.setup.model.state_dict() for r in replicas]
+    assert frozen and all(len({h[k].data_ptr() for h in held}) == 1 for k in frozen)
