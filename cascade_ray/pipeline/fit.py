@@ -24,6 +24,7 @@ from cascade_ray.logs import train_logging_config
 from cascade_ray.models.plan import known_plans
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.failures import stage_failure
+from cascade_ray.pipeline.no_retry import NoRetry
 from cascade_ray.pipeline.trainer import StageTrainer
 from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status, read_run_result, unreadable_run_errors
 from cascade_ray.stage.observe import observer_config
@@ -358,7 +359,9 @@ def fit_stage(
     rank 0 then opens the stage's ``loggers:`` under it.
 
     Raises:
-        CascadeError: a worker raised one (re-raised as is, with its message).
+        CascadeError: a worker raised one (re-raised as is, with its message). One that a restart
+            would repeat (:mod:`cascade_ray.pipeline.no_retry`) ends the fit at once, whatever
+            ``max_failures`` allows.
     """
     options = options or RunOptions()
     stage = cfg.stages[index]
@@ -400,7 +403,8 @@ def fit_stage(
         run_config=ray.train.RunConfig(
             name=run_name,
             storage_path=full_uri(ray_dir),
-            callbacks=callbacks,
+            # an error a restart would only repeat ends the fit now, not after max_failures restarts
+            callbacks=[*(callbacks or []), NoRetry()],
             logging_config=train_logging_config(
                 options.log_level
             ),  # Ray Train's own INFO lines only with --log-level debug
@@ -419,6 +423,10 @@ def fit_stage(
     except ray.train.WorkerGroupError as exc:
         failures = exc.worker_failures.values()
         raise _cascade_cause(exc) or stage_failure(failures, stage.name, index, str(ray_dir)) or exc from None
+    except ray.train.ControllerError as exc:  # NoRetry ended the fit with a worker's error
+        if isinstance(exc.controller_failure, CascadeError):
+            raise exc.controller_failure from None
+        raise
 
 
 def kept_checkpoints(result: ray.train.Result) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:

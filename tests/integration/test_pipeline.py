@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,33 @@ def test_frozen_drift_in_a_worker_is_an_error_in_the_driver(ray_session, tmp_pat
         run_pipeline(cfg, log=lambda _: None)
     # the first stage's artifact survives the failure of the second
     assert read_artifact(tmp_path / "debug" / "stages" / "features")[1]
+
+
+def test_an_error_a_restart_would_repeat_ends_the_stage_without_using_its_restarts(ray_session, tmp_path):
+    """A health error (SGD at lr 1e30: the loss is NaN within the first steps) under max_failures: 2. Ray
+    Train would restart the worker group twice, from scratch, and fail the same way each time; cascade-ray's
+    NoRetry callback ends the fit at the first failure: the stage module is built by one worker, not three."""
+    from cascade_ray.errors import HealthError
+
+    built = tmp_path / "built.txt"  # one line per process that built the encoder's module
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            f"storage_path={tmp_path}",
+            "trusted_modules=[user_models]",
+            f"stages[1].model={{type: 'user_models:counted', in_channels: 16, width: 16, log: '{built}'}}",
+            "stages[1].scaling.num_workers=1",
+            "stages[1].solver.type=SGD",
+            "stages[1].solver.lr=1e30",
+            "stages[1].max_failures=2",
+            "stages[0].train.epochs=1",
+        ],
+    )
+    with pytest.raises(HealthError, match=r"stages\[1\]\.health\.nonfinite") as failed:
+        run_pipeline(cfg, RunOptions(stop_after="encoder"), log=lambda _: None)
+    assert "Traceback" not in str(failed.value)  # the worker's error itself, not Ray's wrapper of it
+    workers = set(built.read_text().split()) - {str(os.getpid())}  # the driver built it to validate
+    assert len(workers) == 1, workers
 
 
 def test_a_crash_in_stage_3_leaves_the_done_stages_outputs_and_resume_finishes_it(ray_session, tmp_path, capsys):

@@ -1,5 +1,7 @@
 """A user model reached as ``user_models:tiny_cnn`` (tests/support is on sys.path)."""
 
+import os
+
 import torch
 from torch import nn
 
@@ -114,3 +116,22 @@ class _BlockCNN(nn.Module):
 def block_cnn(in_channels: int = 1, width: int = 8) -> nn.Module:
     """(B, C, H, W) -> (B, width, H, W) in two listed blocks."""
     return _BlockCNN(in_channels, width)
+
+
+class _Counted(nn.Module):
+    """A 1x1 convolution that appends the id of the process building it to `log`: which processes built it."""
+
+    def __init__(self, in_channels: int, width: int, log: str):
+        super().__init__()
+        self.in_width = in_channels
+        self.proj = nn.Conv2d(in_channels, width, 1)
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()}\n")
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def counted(in_channels: int = 16, width: int = 16, log: str = os.devnull) -> nn.Module:
+    """A stage module on (B, C, H, W) maps whose every build is listed in `log` (one pid per line)."""
+    return _Counted(in_channels, width, log)

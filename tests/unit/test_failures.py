@@ -42,3 +42,28 @@ def test_unreachable_storage_names_the_stage_and_the_storage():
     text = str(stage_failure([down], "head", 1, "s3://cascade/restart/faults/ray"))
     assert text.startswith("stage 'head': the storage s3://cascade/restart/faults/ray could not be read back")
     assert "--resume" in text and "stages[1].max_failures" in text
+
+
+def test_errors_a_restart_would_repeat_are_found_behind_rays_wrappers_and_crashes_are_not():
+    """NoRetry (the Train controller's callback) ends a fit at a health error, frozen drift or a config
+    error a worker raised, whatever max_failures allows; a killed worker or another error is Ray's to retry."""
+    import pytest
+    import ray.exceptions
+
+    from cascade_ray.errors import ConfigError, ConfigIssue, FrozenDriftError, HealthError
+    from cascade_ray.pipeline.no_retry import NoRetry, not_retried
+
+    health = HealthError("nonfinite", "encoder", 3, "loss is nan", "stages[1].solver.lr", "lower the lr")
+    wrapped = ray.exceptions.RayTaskError("train_fn", "Traceback ...", health).as_instanceof_cause()
+    assert not_retried({0: RuntimeError("other rank"), 1: wrapped}.values()) is health
+    drift = FrozenDriftError("stage 'encoder': 1 frozen tensor(s) changed")
+    try:
+        raise RuntimeError("the loop's wrapper") from drift
+    except RuntimeError as exc:
+        assert not_retried([exc]) is drift
+    config = ConfigError([ConfigIssue("stages[1].model", "bad")])
+    assert not_retried([config]) is config
+    assert not_retried([ray.exceptions.ActorDiedError(), OSError("connection reset"), RuntimeError("x")]) is None
+    with pytest.raises(HealthError):
+        NoRetry().after_exception(None, {1: wrapped})
+    NoRetry().after_exception(None, {0: ray.exceptions.ActorDiedError()})  # left to max_failures
