@@ -26,12 +26,15 @@ and actors on one node share one copy of it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -358,18 +361,20 @@ def predict_file(
         # hold for an actor pool in Ray 2.60 (a batch now and then came out late), so the order is
         # carried by the output file names instead of the executor
         todo = work_units(files, footers)
-        units = ray.data.from_items(todo, override_num_blocks=max(1, len(todo)))  # a block per unit
-        mapped = units.map_batches(
-            CascadePredictor,
-            fn_constructor_kwargs=kwargs,
-            batch_size=1,
-            batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(size=count),
-            num_cpus=1,
-            num_gpus=gpus,
-        )
+        count = max(1, min(count, len(todo)))  # an actor per unit at most: one more would only wait (and warn)
         try:
-            written = mapped.take_all()
+            with _errors_as_raised(log_level):  # a dataset keeps the context it was made in
+                units = ray.data.from_items(todo, override_num_blocks=max(1, len(todo)))  # a block per unit
+                mapped = units.map_batches(
+                    CascadePredictor,
+                    fn_constructor_kwargs=kwargs,
+                    batch_size=1,
+                    batch_format="pyarrow",
+                    compute=ray.data.ActorPoolStrategy(size=count),
+                    num_cpus=1,
+                    num_gpus=gpus,
+                )
+                written = mapped.take_all()
         except Exception as exc:  # noqa: BLE001 - one of ours from an actor is the useful message
             raise _ours(exc) or exc from None
         if sum(w["rows"] for w in written) != rows:
@@ -391,13 +396,44 @@ def predict_file(
     )
 
 
+# Ray Data 2.60 (_internal/util.py, _annotate_exception_with_retry_context): the note it appends to a UDF's error
+_RETRY_NOTE = re.compile(r"\nFailed to [^\n]* after \d+/\d+ attempts \(total backoff")
+
+
+@contextlib.contextmanager
+def _errors_as_raised(log_level: str) -> Iterator[None]:
+    """While the prediction runs: an actor's error (an ``InputError`` / ``DataError`` naming the file, row
+    and fix) reaches the driver as itself, not as text inside Ray Data's ``UserCodeException`` (Ray Data's
+    public ``DataContext.raise_original_map_exception``); Ray Data's own log of it (the same error with
+    its stack, ~50 lines) is left out unless ``--log-level debug``: the error is raised either way."""
+    ctx = ray.data.DataContext.get_current()
+    logger = logging.getLogger("ray.data")
+    before = ctx.raise_original_map_exception, logger.level
+    ctx.raise_original_map_exception = True
+    if log_level != "debug":
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ctx.raise_original_map_exception = before[0]
+        logger.setLevel(before[1])
+
+
 def _ours(exc: BaseException) -> CascadeError | None:
-    """A CascadeError raised in an actor, from the chain of Ray's wrappers."""
+    """A CascadeError raised in an actor, from the chain of Ray's wrappers: the innermost one
+    (``RayTaskError(DataError)`` is a ``DataError`` too, with the actor's stack in its text)."""
     seen: Any = exc
+    found = None
     for _ in range(16):
         if seen is None:
-            return None
+            break
         if isinstance(seen, CascadeError):
-            return seen
+            found = seen
         seen = getattr(seen, "cause", None) or seen.__cause__
-    return None
+    if found is not None and found.args and isinstance(found.args[0], str):
+        # Ray Data appends its retry advice ("Failed to apply UDF transform after 1/1 attempts ...") to
+        # the message of an error a UDF raised: not ours to give for a bad row, which a retry repeats
+        note = _RETRY_NOTE.search(found.args[0])
+        if note is not None:
+            found.args = (found.args[0][: note.start()], *found.args[1:])
+    return found

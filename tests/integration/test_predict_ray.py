@@ -116,3 +116,25 @@ def test_s3_run_data_and_output(s3, ray_s3, trained_run_s3, digits_x, tmp_path):
     expected = load_cascade(trained_run_s3).predict(digits_x[:300])
     np.testing.assert_array_equal(table["prediction"].to_numpy(), expected["prediction"])
     assert "cascade-test-secret" not in report.to_json()
+
+
+def test_a_bad_row_an_actor_finds_is_raised_as_its_own_error_naming_the_row(
+    ray_s3, trained_run, digits_x, tmp_path, capfd
+):
+    """A NaN is found only when an actor reads its row group: the DataError (file, row group, row, fix)
+    is what predict raises, not Ray Data's UserCodeException with the message buried in its text, and
+    Ray Data's own ~50-line log of it stays out of the output."""
+    from cascade_ray.errors import DataError
+
+    x = digits_x[:64].astype(np.float32)
+    x[5, 0, 0, 0] = np.nan
+    data = tmp_path / "nan.parquet"
+    write_parquet(data, x, np.zeros(64, np.int64))
+    capfd.readouterr()
+    with pytest.raises(
+        DataError, match=r"nan\.parquet row group 0, row 5, input column 'image'.*NaN/Inf.*never skips"
+    ) as bad:
+        predict(trained_run, data, tmp_path / "out", actors=1)
+    assert str(bad.value).startswith("--data: ") and "\n" not in str(bad.value)  # the error itself, not Ray's text
+    printed = capfd.readouterr()
+    assert "UserCodeException" not in printed.out + printed.err and "Traceback" not in printed.err, printed.err[-2000:]
