@@ -236,17 +236,40 @@ def init_ray(address: str | None, level: str) -> bool:
             ]
         )
     if target:
-        ray.init(
-            address=target,
-            log_to_driver=True,
-            logging_level=ray_logging_level(level),
-            runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}},
-        )
+        try:
+            ray.init(
+                address=target,
+                log_to_driver=True,
+                logging_level=ray_logging_level(level),
+                runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}},
+            )
+        except ConnectionError as exc:
+            raise ConfigError([unreachable_cluster(target, exc)]) from None
     else:
         ensure_private_token()  # Ray would write ~/.ray/auth_token with the umask (0644)
         ray.init(logging_level=ray_logging_level(level), runtime_env={"env_vars": env})
     install_worker_filter(level)  # --log-level: Ray's own chatter out of the way, errors kept
     return True
+
+
+def unreachable_cluster(target: str, exc: BaseException, env: Mapping[str, str] | None = None) -> ConfigIssue:
+    """Why ``ray.init(address=target)`` found no cluster it could join, and what to do. Most often the
+    cluster takes only clients with its token: Ray's client sends one only with ``RAY_AUTH_MODE=token``
+    (Ray turns token auth on for a cluster ``ray.init()`` starts, which includes an embedded Ray of
+    ``cascade-ray serve``, and for ``ray start`` with ``RAY_AUTH_MODE=token``)."""
+    env = os.environ if env is None else env
+    where = "check that a cluster runs there (`ray status --address " + target + "`)"
+    if env.get("RAY_AUTH_MODE", "").lower() == "token":
+        fix = (
+            f"{where}, and that this process has its token (RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or "
+            "~/.ray/auth_token)"
+        )
+    else:
+        fix = (
+            "if the cluster uses token auth, set RAY_AUTH_MODE=token here (its token from RAY_AUTH_TOKEN_PATH, "
+            f"RAY_AUTH_TOKEN or ~/.ray/auth_token); else {where}"
+        )
+    return ConfigIssue("--address / RAY_ADDRESS", f"no Ray cluster could be joined at {target} ({exc})", fix)
 
 
 def _check_embedded_resources(cfg: PipelineConfig) -> None:

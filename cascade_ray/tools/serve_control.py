@@ -11,8 +11,11 @@ redeployed with the new run in its ``user_config`` (the replicas reconfigure in 
 
 from __future__ import annotations
 
+import os
+import shlex
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from cascade_ray.errors import CascadeError
+from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue
 from cascade_ray.pipeline.driver import init_ray  # one way to start or join Ray, shared with the pipeline
 from cascade_ray.storage import as_storage, parse_uri
 from cascade_ray.tools.serve import ServeConfig, build_app, incompatibility, load_served
@@ -30,13 +33,52 @@ RELOAD_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class Serving:
-    """A started app: where it answers, its name and the Ray cluster it runs on (for ``--reload``)."""
+    """A started app: where it answers, its name and the Ray cluster it runs on (for ``--reload``).
+    `token_auth`: the cluster takes only clients with its token (``RAY_AUTH_MODE=token``)."""
 
     url: str
     name: str
     gcs_address: str
     started_ray: bool
     model: dict[str, Any]
+    token_auth: bool = False
+
+    def reload_command(self, env: Mapping[str, str] | None = None) -> str:
+        """The command that reloads this app, as another shell on this host runs it: with token auth,
+        Ray's client sends the token only with ``RAY_AUTH_MODE=token`` (and finds it where this process
+        did: ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``)."""
+        env = os.environ if env is None else env
+        prefix = ""
+        if self.token_auth:
+            prefix = "RAY_AUTH_MODE=token "
+            if env.get("RAY_AUTH_TOKEN_PATH"):
+                prefix += f"RAY_AUTH_TOKEN_PATH={shlex.quote(env['RAY_AUTH_TOKEN_PATH'])} "
+        command = (
+            f"{prefix}cascade-ray serve --reload NEW_RUN --name {shlex.quote(self.name)} --address {self.gcs_address}"
+        )
+        if self.token_auth and env.get("RAY_AUTH_TOKEN") and not env.get("RAY_AUTH_TOKEN_PATH"):
+            command += "   # with this shell's RAY_AUTH_TOKEN"
+        return command
+
+
+def token_auth(started_ray: bool, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the cluster this process uses takes only clients with its token: one it started (Ray
+    turns token auth on for a cluster ``ray.init()`` starts unless ``RAY_AUTH_MODE`` says otherwise), or
+    one it joined with ``RAY_AUTH_MODE=token`` (it could not have joined one with auth on without)."""
+    env = os.environ if env is None else env
+    return env.get("RAY_AUTH_MODE", "token" if started_ray else "").lower() == "token"
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why `host`:`port` cannot be listened on here (another process holds it), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's proxy binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def run_location(run: str) -> str:
@@ -83,6 +125,18 @@ def start_serving(
         trust=list(trust),
         trust_run=trust_run,
     )
+    embedded = not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized())
+    busy = _port_in_use(host, port) if embedded else None  # the proxy of a Ray started here binds it
+    if busy:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "--port",
+                    f"{host}:{port} cannot be listened on: {busy} (another process holds it)",
+                    "pass --port with a free port, or stop what listens there",
+                )
+            ]
+        )
     served = load_served(config.run, stage, config.trust, config.trust_run)  # fail here, before Ray, on a bad run
     started = init_ray(address, log_level)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": config.log_level})
@@ -92,7 +146,7 @@ def start_serving(
         _stop(name, started)
         raise CascadeError(f"serve: {served.run} did not start: {str(exc).strip().splitlines()[-1][:500]}") from None
     gcs = ray.get_runtime_context().gcs_address
-    return Serving(f"http://{host}:{port}", name, gcs, started, served.identity)
+    return Serving(f"http://{host}:{port}", name, gcs, started, served.identity, token_auth(started))
 
 
 def replica_infos(name: str, calls: int) -> list[dict[str, Any]]:
@@ -118,6 +172,18 @@ def reload_serving(
             served pipeline (input spec, target kind or pipeline name differ); the app keeps
             serving its model.
     """
+    if not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS")):
+        # a Ray started here would hold no app to reload
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "--address",
+                    "a reload needs the cluster the app runs on",
+                    "pass --address HOST:PORT as the serving command printed it (its 'reload:' line), "
+                    "or set RAY_ADDRESS",
+                )
+            ]
+        )
     location = run_location(run)
     new = load_served(location, stage, trust, trust_run)  # verified here: a damaged run never reaches the replicas
     if not ray.is_initialized():
@@ -221,7 +287,7 @@ def serve_command(args: Any) -> int:
     print(f"serving {serving.model['run']} (stage {serving.model['stage']}) at {serving.url}")
     print(f'  curl -s {serving.url}/predict -H "content-type: application/json" -d \'{{"inputs": [[...]]}}\'')
     print(f"  health: {serving.url}/healthz   spec: {serving.url}/info")
-    print(f"  reload: cascade-ray serve --reload NEW_RUN --name {serving.name} --address {serving.gcs_address}")
+    print(f"  reload: {serving.reload_command()}")
     watched = read_pointer(args.watch) if args.watch else None
     try:
         while True:

@@ -7,7 +7,6 @@ as users do.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from paths import ROOT
+from procs import process_tree, signal_all
 from runs import DEBUG_OVERRIDES, ENCODER_EPOCHS
 
 pytestmark = pytest.mark.slow
@@ -45,21 +45,6 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
-def _tree(root: int) -> set[int]:
-    """`root`, the processes of its session, and every descendant of those (Ray's raylet, GCS, workers)."""
-    parent, session = {}, {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(pid)], session[int(pid)] = int(fields[1]), int(fields[3])
-    ours = {root} | {p for p, s in session.items() if s == root}
-    while more := {p for p, pp in parent.items() if pp in ours} - ours:
-        ours |= more
-    return ours
-
-
 def _latest_epoch(storage: Path) -> int:
     """Epochs of stage 2 (encoder) that Ray Train has registered a checkpoint for."""
     best = 0
@@ -80,12 +65,6 @@ def _snapshots_complete(storage: Path) -> bool:
         except (OSError, ValueError):
             return False
     return True
-
-
-def _signal(pids: set[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
 
 
 def _summary(storage: Path) -> dict:
@@ -117,14 +96,14 @@ def test_a_driver_killed_mid_stage_resumes_that_stage_and_ends_bit_identical(ref
             if _latest_epoch(storage) >= 2:
                 # Ray rewrites its snapshot in place (truncate, then write) after every checkpoint: stop
                 # the whole tree first, so the snapshot the kill leaves is the one looked at, complete
-                victims = _tree(proc.pid)
-                _signal(victims, signal.SIGSTOP)
+                victims = process_tree(proc.pid)
+                signal_all(victims, signal.SIGSTOP)
                 if _snapshots_complete(storage) and _latest_epoch(storage) >= 2:
                     break
-                _signal(victims, signal.SIGCONT)  # caught mid-write: let it finish, look again
+                signal_all(victims, signal.SIGCONT)  # caught mid-write: let it finish, look again
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)
-        _signal(victims, signal.SIGKILL)  # Ray's own processes, wherever they went
+        signal_all(victims, signal.SIGKILL)  # Ray's own processes, wherever they went
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:

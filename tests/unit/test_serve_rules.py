@@ -78,3 +78,61 @@ def test_the_serve_command_parses_its_flags():
     assert (args.run, args.port, args.replicas, args.host, args.reload) == ("/runs/a", 9000, 2, "127.0.0.1", None)
     args = parse_args(build_parser(), ["serve", "--reload", "/runs/b", "--address", "127.0.0.1:6379"])
     assert args.run is None and args.reload == "/runs/b"
+
+
+def test_the_printed_reload_line_carries_what_a_token_auth_cluster_needs():
+    """A client joins a cluster with token auth only with RAY_AUTH_MODE=token (and finds the token where
+    the server found it): the reload line serve prints says so, so it runs as printed in another shell."""
+    from cascade_ray.tools.serve_control import Serving, token_auth
+
+    assert token_auth(True, {}) and token_auth(True, {"RAY_AUTH_MODE": "token"})  # Ray's default for ray.init()
+    assert not token_auth(True, {"RAY_AUTH_MODE": "disabled"}) and not token_auth(False, {})
+    assert token_auth(False, {"RAY_AUTH_MODE": "TOKEN"})  # joined a cluster with auth: it has it
+    on = Serving("http://127.0.0.1:8000", "cascade", "127.0.0.1:6379", True, {}, token_auth=True)
+    assert on.reload_command({}) == (
+        "RAY_AUTH_MODE=token cascade-ray serve --reload NEW_RUN --name cascade --address 127.0.0.1:6379"
+    )
+    assert on.reload_command({"RAY_AUTH_TOKEN_PATH": "/my tokens/t"}).startswith(
+        "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH='/my tokens/t' cascade-ray serve --reload"
+    )
+    assert on.reload_command({"RAY_AUTH_TOKEN": "s3cret"}).endswith("# with this shell's RAY_AUTH_TOKEN")
+    assert "s3cret" not in on.reload_command({"RAY_AUTH_TOKEN": "s3cret"})
+    off = Serving("http://127.0.0.1:8000", "cascade", "127.0.0.1:6379", False, {}, token_auth=False)
+    assert off.reload_command({}).startswith("cascade-ray serve --reload NEW_RUN")
+
+
+def test_a_busy_port_and_a_reload_without_a_cluster_fail_before_ray_and_the_run(monkeypatch, tmp_path):
+    """Both are told with the option and the fix before the run is read or a Ray starts (the busy port was
+    ~100 lines of Serve's controller and proxy tracebacks; the reload started a Ray of its own and said
+    the app was missing)."""
+    import socket
+
+    import ray
+
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tools.serve_control import reload_serving, start_serving
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(
+            ConfigError, match=rf"--port: 127\.0\.0\.1:{port} cannot be listened on(.|\n)*fix: pass --port"
+        ):
+            start_serving(str(tmp_path / "no-run"), port=port)  # no run there: the port is checked first
+    with pytest.raises(
+        ConfigError, match=r"--address: a reload needs the cluster(.|\n)*'reload:' line(.|\n)*RAY_ADDRESS"
+    ):
+        reload_serving(str(tmp_path / "no-run"))
+
+
+def test_a_cluster_that_cannot_be_joined_names_token_auth_or_the_address():
+    from cascade_ray.pipeline.driver import unreachable_cluster
+
+    plain = unreachable_cluster("10.0.0.1:6379", ConnectionError("Failed to connect"), {}).render()
+    assert "no Ray cluster could be joined at 10.0.0.1:6379 (Failed to connect)" in plain
+    assert "set RAY_AUTH_MODE=token here" in plain and "ray status --address 10.0.0.1:6379" in plain
+    token = unreachable_cluster("10.0.0.1:6379", ConnectionError("x"), {"RAY_AUTH_MODE": "token"}).render()
+    assert "set RAY_AUTH_MODE" not in token and "has its token" in token
