@@ -110,6 +110,11 @@ def run_pipeline(
     if errors:
         raise ConfigError(errors, source=f"{cfg.name} ({data.n_train} training samples)")
     log(f"data: {data.source}: {describe_data(data)}")
+    if options.resume and not any((out / part).exists() for part in ("stages", "ray", "tune")):
+        # a typo in storage_path or name would otherwise cost a whole retrain without a word
+        log(
+            f"resume: nothing to resume in {display(out)} (no stage, stage attempt or sweep there yet): every stage trains"
+        )
     # one driver per run folder, for the whole run: taken once the input is known good, before Ray
     with hold_run_lock(out, break_lock=options.break_lock, log=log):
         # a stop_after run (cascade-ray tune) reuses matching stages and writes no summary.json
@@ -260,10 +265,7 @@ def unreachable_cluster(target: str, exc: BaseException, env: Mapping[str, str] 
     env = os.environ if env is None else env
     where = "check that a cluster runs there (`ray status --address " + target + "`)"
     if env.get("RAY_AUTH_MODE", "").lower() == "token":
-        fix = (
-            f"{where}, and that this process has its token (RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or "
-            "~/.ray/auth_token)"
-        )
+        fix = f"{where}, and that this process has its token (RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token)"
     else:
         fix = (
             "if the cluster uses token auth, set RAY_AUTH_MODE=token here (its token from RAY_AUTH_TOKEN_PATH, "

@@ -86,3 +86,22 @@ def test_submit_passes_the_lock_flags_to_the_job(monkeypatch):
     argv = ["submit", str(CONFIGS / "debug.yaml"), "--address", "http://127.0.0.1:8265", "--overwrite", "--break-lock"]
     entrypoint, _, _ = job_entrypoint(parse_args(build_parser(), argv), "/shared/runs")
     assert entrypoint.endswith("--overwrite --break-lock"), entrypoint
+
+
+def test_resume_says_when_there_is_nothing_to_resume(cfg):
+    """--resume where no stage, attempt or sweep is (a storage_path or name typo) trains every stage:
+    the driver says so before anything starts, and not when there is something to resume."""
+    big = load_config(CONFIGS / "debug.yaml", [f"storage_path={cfg.storage_path}", TOO_BIG])  # stops before Ray
+    for present in (None, "stages", "ray", "tune"):
+        if present is not None:
+            (run_dir(cfg) / present).mkdir(parents=True, exist_ok=True)
+        lines: list[str] = []
+        with pytest.raises(ResourceError):
+            run_pipeline(big, RunOptions(resume=True), log=lines.append)
+        said = [line for line in lines if line.startswith("resume: nothing to resume")]
+        assert len(said) == (1 if present is None else 0), (present, lines)
+        assert present is not None or f"in {run_dir(cfg)} " in said[0]
+    lines = []
+    with pytest.raises(ResourceError):
+        run_pipeline(big, RunOptions(), log=lines.append)  # no --resume: nothing to say
+    assert not [line for line in lines if "nothing to resume" in line]
