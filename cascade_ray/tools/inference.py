@@ -140,8 +140,8 @@ class Cascade:
     def check_inputs(self, inputs: Any) -> torch.Tensor:
         """`inputs` as a float32 tensor of shape (N, *input_shape) on CPU, or :class:`InputError`.
 
-        Takes a numpy array, a tensor or nested lists; one row without the batch axis, and flat
-        rows of ``prod(input_shape)`` values, are accepted too.
+        Takes a numpy array, a tensor or nested lists; one row without the batch axis (shaped or
+        flat), and flat rows of ``prod(input_shape)`` values, are accepted too.
         """
         shape = self.spec.input_shape
         try:
@@ -172,12 +172,14 @@ class Cascade:
         size = int(np.prod(shape))
         if tuple(x.shape) == shape:
             x = x.unsqueeze(0)
+        elif x.ndim == 1 and len(shape) > 1 and x.shape[0] == size:  # one flat row
+            x = x.reshape(1, *shape)
         elif x.ndim == 2 and len(shape) > 1 and x.shape[1] == size:
             x = x.reshape(-1, *shape)
         if tuple(x.shape[1:]) != shape:
             raise InputError(
                 f"inputs have shape {tuple(x.shape)}; the model takes (N, {', '.join(map(str, shape))}) "
-                f"(or flat rows of {size} values)"
+                f"(or flat rows of {size} values; one row alone as {shape} or {size} values)"
             )
         if x.numel() and not bool(torch.isfinite(x).all()):
             raise InputError("inputs contain NaN or infinite values")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -132,8 +133,12 @@ def parse_inputs(body: bytes, cascade: Cascade, max_rows: int) -> torch.Tensor:
     inputs = payload["inputs"]
     if not isinstance(inputs, list) or not inputs:
         raise InputError(f"inputs must be a non-empty list of rows, got {type(inputs).__name__} {inputs!r:.60}")
-    if len(inputs) > max_rows:
-        raise InputError(f"{len(inputs)} rows in one request; the server takes at most {max_rows} (--max-rows)")
+    # before the values are read: a list of numbers is one flat row (its values), anything else a list of rows
+    size = math.prod(cascade.spec.input_shape) if isinstance(inputs[0], int | float) else 1
+    if len(inputs) > max_rows * size:
+        raise InputError(
+            f"{-(-len(inputs) // size)} rows in one request; the server takes at most {max_rows} (--max-rows)"
+        )
     x = cascade.check_inputs(inputs)
     if len(x) > max_rows:  # flat rows reshaped into more rows than the list had
         raise InputError(f"{len(x)} rows in one request; the server takes at most {max_rows} (--max-rows)")

@@ -48,6 +48,7 @@ def test_inputs_in_every_accepted_layout_give_the_same_outputs(cascade):
     torch.testing.assert_close(cascade.outputs(x.reshape(3, 64).tolist()), ref)  # flat rows, nested lists
     torch.testing.assert_close(cascade.outputs(torch.from_numpy(x).double()), ref)
     torch.testing.assert_close(cascade.outputs(x[0]), ref[:1])  # one row without the batch axis
+    torch.testing.assert_close(cascade.outputs(x[0].reshape(64).tolist()), ref[:1])  # one flat row
     # the torchvision idiom: module(preprocess(x)) is the raw-input composed model
     torch.testing.assert_close(cascade.module(cascade.preprocess(x)), cascade.composed(torch.from_numpy(x).float()))
 
@@ -56,6 +57,7 @@ def test_inputs_in_every_accepted_layout_give_the_same_outputs(cascade):
     ("inputs", "reason"),
     [
         (np.zeros((2, 3)), r"shape \(2, 3\); the model takes \(N, 1, 8, 8\)"),
+        (np.zeros(63), r"shape \(63,\); the model takes \(N, 1, 8, 8\) \(or flat rows of 64 values; one row alone"),
         ([[1.0, 2.0], [3.0]], "rows of different lengths"),
         (np.array(["a", "b"]), "must be numbers"),
         ([{"x": 1}], "must be numbers"),

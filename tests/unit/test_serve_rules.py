@@ -33,6 +33,20 @@ def test_a_body_is_refused_before_the_model_sees_it(body, reason):
         parse_inputs(body, cascade=None, max_rows=8)  # never reaches the model's own checks
 
 
+def test_one_flat_row_is_one_row_however_small_max_rows_is():
+    """``{"inputs": [64 numbers]}`` is one row of the (1, 8, 8) model, not 64 rows over --max-rows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cascade = SimpleNamespace(
+        spec=SimpleNamespace(input_shape=(1, 8, 8)), check_inputs=lambda v: torch.zeros(len(v) // 64, 1, 8, 8)
+    )
+    assert parse_inputs(json.dumps({"inputs": [0.5] * 64}).encode(), cascade, max_rows=1).shape == (1, 1, 8, 8)
+    with pytest.raises(InputError, match="3 rows in one request; the server takes at most 2"):
+        parse_inputs(json.dumps({"inputs": [0.5] * 130}).encode(), cascade, max_rows=2)
+
+
 def test_only_a_newer_run_of_the_same_pipeline_and_spec_may_replace_the_served_one():
     assert incompatibility(SERVING, {**SERVING, "run": "/runs/b", "fingerprint": "x"}) is None
     for key, value in [("pipeline", "tabular"), ("input_shape", [30]), ("target_kind", "regression"), ("out_width", 2)]:
