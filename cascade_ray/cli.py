@@ -371,6 +371,8 @@ def _run_tool(args: argparse.Namespace) -> int:
             **sizes,
         )
         print(report.to_json())
+        if report.warning:
+            print(f"warning: {report.warning}", file=sys.stderr)
     elif args.command == "ls":
         from cascade_ray.tools.shipped import list_shipped
 

@@ -45,6 +45,10 @@ class InputError(CascadeError, ValueError):
     """Inputs that do not fit the model (shape, type, non-finite values); the message says what fits."""
 
 
+class InputScaleWarning(UserWarning):
+    """Inputs that look rescaled or normalized compared with the training data (:meth:`InputSpec.scale_warning`)."""
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """What a trained cascade takes and predicts (a manifest's ``data_spec``)."""
@@ -79,6 +83,34 @@ class InputSpec:
     def describe(self) -> str:
         """e.g. ``inputs (1, 8, 8) -> class, 10 outputs``."""
         return f"inputs {self.input_shape} -> {self.target_kind}, {self.out_width} outputs"
+
+    def scale_warning(self, x: torch.Tensor) -> str | None:
+        """Why raw inputs `x` (checked, float) look like they are not on the training data's scale, or
+        None. The model normalizes raw inputs itself (``mean`` / ``std`` of the training data), so inputs
+        a user normalized or rescaled first are predicted, silently, as near-constant images. Two cases,
+        each far outside what one batch of real inputs does:
+
+        - the training inputs are large (a channel's mean at least 2, e.g. pixels 0..255 or 0..16), and
+          every value of `x` lies in [-1, 1] with fractions among them: divided by 255 (or normalized);
+        - some value of `x` is over 100x the training inputs' largest channel mean + std: the other way
+          round (0..255 pixels to a model trained on 0..1).
+        """
+        if not x.numel():
+            return None
+        mean, std = float(np.abs(self.mean).max()), float(np.abs(self.std).max())
+        top = float(x.abs().max())
+        seen = f"the training inputs' mean is {mean:.4g} and std {std:.4g} (a channel's largest)"
+        if mean >= 2.0 and 0.0 < top <= 1.0 and bool((x != x.round()).any()):
+            return (
+                f"inputs all lie within [-1, 1] with fractions, but {seen}: they look rescaled (e.g. divided by "
+                "255) or normalized; pass them on the training data's scale (the model normalizes them itself)"
+            )
+        if top > 100.0 * (mean + std):
+            return (
+                f"inputs reach over 100x {seen}: pass them on the training data's scale (e.g. pixels in 0..1 if "
+                "it was trained on 0..1)"
+            )
+        return None
 
 
 class LastHead(nn.Module):
@@ -194,6 +226,9 @@ class Cascade:
     def outputs(self, inputs: Any, batch_rows: int = PREDICT_BATCH_ROWS) -> torch.Tensor:
         """The last head's raw outputs (logits, or values) for `inputs`, on CPU, in batches."""
         x = self.check_inputs(inputs)
+        note = self.spec.scale_warning(x)
+        if note:  # the text names no value of this batch: Python's filter shows it once per place, not per call
+            warnings.warn(note, InputScaleWarning, stacklevel=3)
         chunks = [
             self.composed(x[i : i + batch_rows].to(self.device)).float().cpu() for i in range(0, len(x), batch_rows)
         ]

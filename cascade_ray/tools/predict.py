@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -54,6 +55,7 @@ from cascade_ray.text import did_you_mean
 from cascade_ray.tools.inference import (
     PREDICT_BATCH_ROWS,
     InputError,
+    InputScaleWarning,
     InputSpec,
     assemble_cascade,
     load_cascade,
@@ -137,6 +139,7 @@ class PredictReport:
     files: int
     columns: list[str]
     output: str
+    warning: str | None = None  # the first row group's inputs look rescaled (InputSpec.scale_warning)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -191,7 +194,9 @@ class CascadePredictor:
             return f"--data: {at}, row {row}, input column {self.column!r}"
 
         x = input_array(col, self.cascade.spec.input_shape, self.column, where)
-        out = self.cascade.predict(x, batch_rows=self.batch_rows)
+        with warnings.catch_warnings():  # the driver looked at the first row group and says it once
+            warnings.simplefilter("ignore", InputScaleWarning)
+            out = self.cascade.predict(x, batch_rows=self.batch_rows)
         return pa.table({**{k: table[k] for k in self.keep}, **{k: _arrow(v) for k, v in out.items()}})
 
 
@@ -284,6 +289,30 @@ def check_data(
     return footers
 
 
+def _first_rows_warning(
+    files: Sequence[str], fs: Any, footers: Sequence[pq.FileMetaData], column: str, spec: InputSpec
+) -> str | None:
+    """:meth:`InputSpec.scale_warning` of the first non-empty row group (at most its first 1024 rows), read
+    here before any actor starts; None when they look like the training data."""
+    from cascade_ray.data.stream import input_array
+
+    for file, meta in zip(files, footers, strict=True):
+        for group in range(meta.num_row_groups):
+            if meta.row_group(group).num_rows:
+                source = pq.ParquetFile(fs.open_input_file(file) if fs else file)
+                col = source.read_row_group(group, columns=[column])[column].combine_chunks()[:1024]
+                if isinstance(col.type, pa.BaseExtensionType) and not isinstance(col.type, pa.FixedShapeTensorType):
+                    col = col.storage
+
+                def at(row: int, file: str = file, group: int = group) -> str:  # as an actor names a row
+                    return f"--data: {redact(file)} row group {group}, row {row}, input column {column!r}"
+
+                x = torch.from_numpy(np.asarray(input_array(col, spec.input_shape, column, at), dtype=np.float32))
+                note = spec.scale_warning(x)
+                return f"--data: {redact(file)} row group {group}: {note}" if note else None
+    return None
+
+
 def predict_file(
     run: str | StorageDir,
     data: str | StorageDir,
@@ -337,6 +366,7 @@ def predict_file(
     files, fs = _resolve_files(data, "--data")
     footers = check_data(files, fs, column, cascade.spec, keep, redact(str(data)))
     rows = sum(m.num_rows for m in footers)
+    warning = _first_rows_warning(files, fs, footers, column, cascade.spec)
     target = as_storage(out, "--out")
     _prepare_out(target, files, overwrite)
     started = init_ray(address, log_level)
@@ -393,6 +423,7 @@ def predict_file(
         files=len(written),
         columns=[*keep, *(c for c in OUTPUT_COLUMNS if c == "prediction" or cascade.spec.target_kind != "regression")],
         output=str(target),
+        warning=warning,
     )
 
 

@@ -219,6 +219,9 @@ class CascadeDeployment:
                 labels = model.cascade.label_names(part["prediction"])
                 if labels is not None:
                     answer["labels"] = labels
+                note = model.cascade.spec.scale_warning(rows[i])
+                if note:  # predicted all the same: the client hears why its answers may be wrong
+                    answer["warning"] = note
                 answers[i] = answer | {"model": model.identity}
         return answers  # type: ignore[return-value]
 

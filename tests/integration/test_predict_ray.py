@@ -121,20 +121,31 @@ def test_s3_run_data_and_output(s3, ray_s3, trained_run_s3, digits_x, tmp_path):
 def test_a_bad_row_an_actor_finds_is_raised_as_its_own_error_naming_the_row(
     ray_s3, trained_run, digits_x, tmp_path, capfd
 ):
-    """A NaN is found only when an actor reads its row group: the DataError (file, row group, row, fix)
-    is what predict raises, not Ray Data's UserCodeException with the message buried in its text, and
-    Ray Data's own ~50-line log of it stays out of the output."""
+    """A NaN past the first row group is found only when an actor reads it: the DataError (file, row
+    group, row, fix) is what predict raises, not Ray Data's UserCodeException with the message buried
+    in its text, and Ray Data's own ~50-line log of it stays out of the output."""
     from cascade_ray.errors import DataError
 
-    x = digits_x[:64].astype(np.float32)
-    x[5, 0, 0, 0] = np.nan
-    data = tmp_path / "nan.parquet"
-    write_parquet(data, x, np.zeros(64, np.int64))
+    x = digits_x[:150].astype(np.float32)
+    x[105, 0, 0, 0] = np.nan  # row group 2 of 50-row groups, row 5 in it
+    data = _write_parts(tmp_path / "data", x, parts=1)
     capfd.readouterr()
-    with pytest.raises(
-        DataError, match=r"nan\.parquet row group 0, row 5, input column 'image'.*NaN/Inf.*never skips"
-    ) as bad:
+    with pytest.raises(DataError, match=r"part-00\.parquet row group 2, row 5, input column 'image'.*NaN/Inf") as bad:
         predict(trained_run, data, tmp_path / "out", actors=1)
     assert str(bad.value).startswith("--data: ") and "\n" not in str(bad.value)  # the error itself, not Ray's text
+    assert "never skips" in str(bad.value)
     printed = capfd.readouterr()
     assert "UserCodeException" not in printed.out + printed.err and "Traceback" not in printed.err, printed.err[-2000:]
+
+
+def test_inputs_off_the_training_scale_are_predicted_with_a_warning(ray_s3, trained_run, digits_x, tmp_path):
+    """Digits divided by 16: the run normalizes raw pixels itself, so these are predicted nearly all alike;
+    the report says why, from the first row group, before any actor starts."""
+    data = tmp_path / "scaled.parquet"
+    write_parquet(data, digits_x[:64].astype(np.float32) / 16, np.zeros(64, np.int64))
+    report = predict(trained_run, data, tmp_path / "out", actors=1)
+    assert report.rows == 64 and report.warning and "look rescaled (e.g. divided by 255)" in report.warning
+    assert "scaled.parquet row group 0" in report.warning
+    raw = tmp_path / "raw.parquet"
+    write_parquet(raw, digits_x[:64], np.zeros(64, np.int64))
+    assert predict(trained_run, raw, tmp_path / "out2", actors=1).warning is None

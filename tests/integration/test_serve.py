@@ -89,6 +89,11 @@ def test_predictions_match_load_cascade_and_name_the_model(served, trained_run, 
     assert body["model"] == served.model and body["model"]["run"] == str(trained_run)
     flat = _predict(served.url, rows[:3].reshape(3, -1).tolist())  # flat rows of 64 values
     assert flat[0] == 200 and flat[1]["predictions"] == want["prediction"][:3].tolist()
+    one = _predict(served.url, rows[0].reshape(-1).tolist())  # one flat row alone
+    assert one[0] == 200 and one[1]["predictions"] == want["prediction"][:1].tolist()
+    assert "warning" not in body and "warning" not in one[1]
+    scaled = _predict(served.url, (rows[:3] / 16).tolist())  # the model normalizes raw pixels itself
+    assert scaled[0] == 200 and "look rescaled" in scaled[1]["warning"]
 
 
 BAD = [

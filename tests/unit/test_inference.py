@@ -94,3 +94,28 @@ def test_a_run_config_loads_without_its_pretrained_file(debug_raw, tmp_path):
         usable_config(["stages"], "config.yaml")
     with pytest.raises(ArtifactError, match="not a config this version reads"):
         usable_config({**debug_raw, "stagez": []}, "config.yaml")
+
+
+def test_inputs_off_the_training_scale_are_told_not_predicted_silently(cascade):
+    """The model normalizes raw inputs itself: digits divided by 16 (or 255) were all predicted as one
+    class without a word. Now they are warned about; raw inputs, zeros and other specs' data are not."""
+    import warnings as w
+
+    from cascade_ray.tools.inference import InputScaleWarning
+
+    raw = np.random.default_rng(0).integers(0, 17, (8, 1, 8, 8)).astype(np.float32)
+    spec = cascade.spec  # mean 4.5, std 6.0: pixels 0..16
+    assert spec.scale_warning(torch.from_numpy(raw)) is None
+    assert spec.scale_warning(torch.zeros(2, 1, 8, 8)) is None  # a blank image is not a rescaled one
+    assert "look rescaled (e.g. divided by 255)" in spec.scale_warning(torch.from_numpy(raw / 16))
+    assert "over 100x" in spec.scale_warning(torch.from_numpy(raw * 1000))
+    unit = InputSpec.from_manifest({**SPEC, "mean": [[[0.29]]], "std": [[[0.35]]]}, "m.json")  # trained on 0..1
+    assert unit.scale_warning(torch.from_numpy(raw / 16)) is None
+    assert "over 100x" in unit.scale_warning(torch.from_numpy(raw * 16))  # 0..255 pixels
+    standard = InputSpec.from_manifest({**SPEC, "mean": [[[0.0]]], "std": [[[1.0]]]}, "m.json")
+    assert standard.scale_warning(torch.rand(4, 1, 8, 8) * 2 - 1) is None
+    with pytest.warns(InputScaleWarning, match="look rescaled"):
+        cascade.predict(raw / 16)
+    with w.catch_warnings():
+        w.simplefilter("error", InputScaleWarning)
+        cascade.predict(raw)  # raw inputs: no warning
