@@ -11,6 +11,7 @@ redeployed with the new run in its ``user_config`` (the replicas reconfigure in 
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import socket
@@ -139,6 +140,9 @@ def start_serving(
         )
     served = load_served(config.run, stage, config.trust, config.trust_run)  # fail here, before Ray, on a bad run
     started = init_ray(address, log_level)
+    # Serve's own INFO lines in this process ("Started Serve", "Connecting to existing Serve app ... will
+    # not be applied", "Application ... is ready"): with --log-level debug only, as Ray's elsewhere
+    logging.getLogger("ray.serve").setLevel(config.log_level)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": config.log_level})
     try:
         serve.run(build_app(config), name=name, route_prefix="/")
