@@ -765,8 +765,8 @@ class StageConfig(_Strict):
         ge=-1,
         description="Worker-group restarts Ray Train may do for this stage after a worker crash (-1: "
         "unlimited); each restart resumes from the latest checkpoint with optimizer, schedule, scaler, "
-        "RNG and step counters. An error a restart would repeat (a health rule with policy `error`, "
-        "frozen drift, a config error in a worker) ends the stage at once.",
+        "RNG and step counters. An error a restart would repeat (a training health rule with policy "
+        "`error`, such as a NaN loss, or frozen drift) ends the stage at once.",
     )
     memory_format: Literal["auto", "channels_last", "contiguous"] = Field(
         "auto",

@@ -36,7 +36,7 @@ from cascade_ray.models.weights import NumpyState, load_numpy_state
 from cascade_ray.options import RunOptions
 from cascade_ray.pipeline.fit import Cluster, check_resources, cluster_view
 from cascade_ray.pipeline.outputs import SUMMARY_FILE, RunOutputs, next_steps
-from cascade_ray.pipeline.ray_token import ensure_private_token
+from cascade_ray.pipeline.ray_token import ensure_private_token, unreachable_cluster
 from cascade_ray.pipeline.records import summary_status
 from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageRunner, StageSession
 from cascade_ray.pipeline.streaming import StreamedData, check_streaming_resources, scan_data
@@ -248,30 +248,13 @@ def init_ray(address: str | None, level: str) -> bool:
                 logging_level=ray_logging_level(level),
                 runtime_env={"env_vars": {k: v for k, v in env.items() if k not in _job_env_vars()}},
             )
-        except ConnectionError as exc:
+        except (ConnectionError, ray.exceptions.AuthenticationError) as exc:  # nothing there, or no token
             raise ConfigError([unreachable_cluster(target, exc)]) from None
     else:
         ensure_private_token()  # Ray would write ~/.ray/auth_token with the umask (0644)
         ray.init(logging_level=ray_logging_level(level), runtime_env={"env_vars": env})
     install_worker_filter(level)  # --log-level: Ray's own chatter out of the way, errors kept
     return True
-
-
-def unreachable_cluster(target: str, exc: BaseException, env: Mapping[str, str] | None = None) -> ConfigIssue:
-    """Why ``ray.init(address=target)`` found no cluster it could join, and what to do. Most often the
-    cluster takes only clients with its token: Ray's client sends one only with ``RAY_AUTH_MODE=token``
-    (Ray turns token auth on for a cluster ``ray.init()`` starts, which includes an embedded Ray of
-    ``cascade-ray serve``, and for ``ray start`` with ``RAY_AUTH_MODE=token``)."""
-    env = os.environ if env is None else env
-    where = "check that a cluster runs there (`ray status --address " + target + "`)"
-    if env.get("RAY_AUTH_MODE", "").lower() == "token":
-        fix = f"{where}, and that this process has its token (RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token)"
-    else:
-        fix = (
-            "if the cluster uses token auth, set RAY_AUTH_MODE=token here (its token from RAY_AUTH_TOKEN_PATH, "
-            f"RAY_AUTH_TOKEN or ~/.ray/auth_token); else {where}"
-        )
-    return ConfigIssue("--address / RAY_ADDRESS", f"no Ray cluster could be joined at {target} ({exc})", fix)
 
 
 def _check_embedded_resources(cfg: PipelineConfig) -> None:

@@ -95,3 +95,20 @@ def _create_or_tighten(path: Path) -> None:
         return
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))  # what Ray's own generator writes (256 bits)
+
+
+def unreachable_cluster(target: str, exc: BaseException, env: Mapping[str, str] | None = None) -> ConfigIssue:
+    """Why ``ray.init(address=target)`` found no cluster it could join, and what to do. Most often the
+    cluster takes only clients with its token: Ray's client sends one only with ``RAY_AUTH_MODE=token``
+    (Ray turns token auth on for a cluster ``ray.init()`` starts, which includes an embedded Ray of
+    ``cascade-ray serve``, and for ``ray start`` with ``RAY_AUTH_MODE=token``)."""
+    env = os.environ if env is None else env
+    where = "check that a cluster runs there (`ray status --address " + target + "`)"
+    if env.get("RAY_AUTH_MODE", "").lower() == "token":
+        fix = f"{where}, and that this process has its token (RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+    else:
+        fix = (
+            "if the cluster uses token auth, set RAY_AUTH_MODE=token here (its token from RAY_AUTH_TOKEN_PATH, "
+            f"RAY_AUTH_TOKEN or ~/.ray/auth_token); else {where}"
+        )
+    return ConfigIssue("--address / RAY_ADDRESS", f"no Ray cluster could be joined at {target} ({exc})", fix)

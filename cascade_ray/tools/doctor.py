@@ -117,7 +117,10 @@ def check_cluster(address: str | None) -> list[Check]:
         resources = ray.cluster_resources()
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
     except Exception as exc:  # noqa: BLE001 - any failure to connect is the finding
-        return [("FAIL", "cluster", f"cannot connect to {target}: {exc}")]
+        from cascade_ray.pipeline.ray_token import unreachable_cluster
+
+        issue = unreachable_cluster(target, exc)  # token auth, or nothing there
+        return [("FAIL", "cluster", f"{issue.message}; {issue.fix}")]
     finally:
         if ray.is_initialized():
             ray.shutdown()

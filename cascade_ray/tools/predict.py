@@ -431,23 +431,39 @@ def predict_file(
 _RETRY_NOTE = re.compile(r"\nFailed to [^\n]* after \d+/\d+ attempts \(total backoff")
 
 
+class _RaisedAnyway(logging.Filter):
+    """Drops Ray Data's ERROR records: while :func:`_errors_as_raised` holds, each is about the error that
+    ends the prediction, which is raised to the caller anyway (for ours: Ray Data calls it an internal
+    error and asks for a bug report). Its warnings (a pool that cannot be scheduled, an actor that died
+    starting) still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
 @contextlib.contextmanager
 def _errors_as_raised(log_level: str) -> Iterator[None]:
     """While the prediction runs: an actor's error (an ``InputError`` / ``DataError`` naming the file, row
     and fix) reaches the driver as itself, not as text inside Ray Data's ``UserCodeException`` (Ray Data's
-    public ``DataContext.raise_original_map_exception``); Ray Data's own log of it (the same error with
-    its stack, ~50 lines) is left out unless ``--log-level debug``: the error is raised either way."""
+    public ``DataContext.raise_original_map_exception``); Ray Data's own console log of the error (its
+    stack, ~50 lines) is left out unless ``--log-level debug`` (its session log file keeps it)."""
     ctx = ray.data.DataContext.get_current()
-    logger = logging.getLogger("ray.data")
-    before = ctx.raise_original_map_exception, logger.level
+    before = ctx.raise_original_map_exception
     ctx.raise_original_map_exception = True
-    if log_level != "debug":
-        logger.setLevel(logging.CRITICAL)
+    quiet = _RaisedAnyway()
+    console = (
+        [h for h in logging.getLogger("ray.data").handlers if not type(h).__name__.endswith("FileHandler")]
+        if log_level != "debug"
+        else []
+    )
+    for handler in console:
+        handler.addFilter(quiet)
     try:
         yield
     finally:
-        ctx.raise_original_map_exception = before[0]
-        logger.setLevel(before[1])
+        ctx.raise_original_map_exception = before
+        for handler in console:
+            handler.removeFilter(quiet)
 
 
 def _ours(exc: BaseException) -> CascadeError | None:

@@ -146,7 +146,11 @@ def test_cli_run_flags_reach_the_driver(monkeypatch, tmp_path):
         main(["run", str(CONFIGS / "debug.yaml"), "--log-level", "warning", "--profile", f"storage_path={tmp_path}"])
         == 0
     )
-    assert seen["options"] == RunOptions(log_level="warning", profile={"features", "encoder", "classifier"})
+    assert seen["options"] == RunOptions(
+        log_level="warning",
+        profile={"features", "encoder", "classifier"},
+        config_arg=f"{CONFIGS / 'debug.yaml'} storage_path={tmp_path}",  # as typed: best.yaml's header names it
+    )
     assert seen["cfg"].storage_path == str(tmp_path)
     assert main(["run", str(CONFIGS / "debug.yaml"), "--profile", "encodr"]) == 2
 

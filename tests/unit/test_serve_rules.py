@@ -143,7 +143,7 @@ def test_a_busy_port_and_a_reload_without_a_cluster_fail_before_ray_and_the_run(
 
 
 def test_a_cluster_that_cannot_be_joined_names_token_auth_or_the_address():
-    from cascade_ray.pipeline.driver import unreachable_cluster
+    from cascade_ray.pipeline.ray_token import unreachable_cluster
 
     plain = unreachable_cluster("10.0.0.1:6379", ConnectionError("Failed to connect"), {}).render()
     assert "no Ray cluster could be joined at 10.0.0.1:6379 (Failed to connect)" in plain
