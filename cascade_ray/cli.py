@@ -132,6 +132,17 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     return args
 
 
+def as_typed(config: str | Path, overrides: Sequence[str]) -> str:
+    """The config and its overrides as a shell would take them back, credentials in a URI left out
+    (``RunOptions.config_arg``: quoted in error messages and in a sweep's ``best.yaml``)."""
+    text = shlex.join([str(config), *overrides])
+    if "://" not in text:  # no URI: storage (pyarrow) stays unimported for a config mistake
+        return text
+    from cascade_ray.storage import redact
+
+    return redact(text)
+
+
 def run_options(args: argparse.Namespace, cfg: PipelineConfig, config_arg: str | None = None) -> RunOptions:
     """The :class:`RunOptions` of parsed run flags, checked against `cfg` (``--profile`` stage names).
     `config_arg`: the config and overrides as typed (default: ``args.config`` and ``args.overrides``)."""
@@ -156,7 +167,7 @@ def run_options(args: argparse.Namespace, cfg: PipelineConfig, config_arg: str |
         break_lock=args.break_lock,
         overwrite=args.overwrite,
         trust_tune_state=args.trust_tune_state,
-        config_arg=config_arg or shlex.join([str(args.config), *getattr(args, "overrides", [])]),
+        config_arg=config_arg or as_typed(args.config, getattr(args, "overrides", [])),
     )
 
 
@@ -397,9 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in _NO_CONFIG:
             return _run_tool(args)
-        config_arg = shlex.join(
-            [args.config, *getattr(args, "overrides", [])]
-        )  # as typed, for the commands errors suggest
+        # as typed, for the commands errors suggest and best.yaml's header; never a credential in a URI
+        config_arg = as_typed(args.config, getattr(args, "overrides", []))
         args.config = resolve_config(args.config)  # a file path wins over a shipped name
         cfg = load_config(args.config, args.overrides, trust=args.trust)
         if args.command == "validate":

@@ -299,14 +299,15 @@ def parse_uri(uri: str, key: str = "storage_path") -> UriPath | None:
 
 def redact(text: str) -> str:
     """`text` with the credentials of any URI in it removed (``user:secret@`` and key/secret/token
-    query options), for messages that quote a path as the user gave it."""
+    query options of a storage URI; ``user:secret@`` of any other, e.g. an MLflow ``https://`` tracking
+    URI), for messages and files that quote a path as the user gave it."""
 
     def public(m: re.Match) -> str:
         try:
             uri = parse_uri(m.group(0))
         except ConfigError:
-            return m.group(0)
-        return str(uri) if uri is not None else m.group(0)
+            uri = None
+        return str(uri) if uri is not None else re.sub(r"^([^:]+://)[^/@?#]*@", r"\1", m.group(0))
 
     return re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+", public, text)
 

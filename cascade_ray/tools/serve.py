@@ -134,11 +134,15 @@ def parse_inputs(body: bytes, cascade: Cascade, max_rows: int) -> torch.Tensor:
     if not isinstance(inputs, list) or not inputs:
         raise InputError(f"inputs must be a non-empty list of rows, got {type(inputs).__name__} {inputs!r:.60}")
     # before the values are read: a list of numbers is one flat row (its values), anything else a list of rows
-    size = math.prod(cascade.spec.input_shape) if isinstance(inputs[0], int | float) else 1
-    if len(inputs) > max_rows * size:
-        raise InputError(
-            f"{-(-len(inputs) // size)} rows in one request; the server takes at most {max_rows} (--max-rows)"
-        )
+    if isinstance(inputs[0], int | float):
+        size = math.prod(cascade.spec.input_shape)
+        if len(inputs) != size:
+            raise InputError(
+                f"inputs is a list of {len(inputs)} numbers; one flat row takes exactly {size}; "
+                'send several rows as a list of rows: {"inputs": [[...], ...]}'
+            )
+    elif len(inputs) > max_rows:
+        raise InputError(f"{len(inputs)} rows in one request; the server takes at most {max_rows} (--max-rows)")
     x = cascade.check_inputs(inputs)
     if len(x) > max_rows:  # flat rows reshaped into more rows than the list had
         raise InputError(f"{len(x)} rows in one request; the server takes at most {max_rows} (--max-rows)")

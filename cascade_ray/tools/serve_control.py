@@ -176,25 +176,27 @@ def reload_serving(
             served pipeline (input spec, target kind or pipeline name differ); the app keeps
             serving its model.
     """
-    if not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS")):
-        # a Ray started here would hold no app to reload
+    location = run_location(run)
+    new = load_served(location, stage, trust, trust_run)  # verified here: a damaged run never reaches the replicas
+    told = ray.is_initialized() or bool(address or os.environ.get("RAY_ADDRESS"))
+    if not ray.is_initialized():
+        init_ray(address, "warning")  # no address: a local `ray start` cluster, else a new embedded Ray
+    apps = serve.status().applications
+    if name not in apps:
+        shown = f"no app {name!r} on this cluster (apps: {', '.join(apps) or 'none'})"
+        if told:
+            raise CascadeError(f"serve: {shown}; pass --name")
         raise ConfigError(
             [
                 ConfigIssue(
                     "--address",
-                    "a reload needs the cluster the app runs on",
+                    f"{shown}: without --address or RAY_ADDRESS this process joined a local `ray start` cluster "
+                    "or started a Ray of its own",
                     "pass --address HOST:PORT as the serving command printed it (its 'reload:' line), "
                     "or set RAY_ADDRESS",
                 )
             ]
         )
-    location = run_location(run)
-    new = load_served(location, stage, trust, trust_run)  # verified here: a damaged run never reaches the replicas
-    if not ray.is_initialized():
-        init_ray(address, "warning")
-    apps = serve.status().applications
-    if name not in apps:
-        raise CascadeError(f"serve: no app {name!r} on this cluster (apps: {', '.join(apps) or 'none'}); pass --name")
     [current] = replica_infos(name, 1)
     why = incompatibility(current["model"], new.info())
     if why:

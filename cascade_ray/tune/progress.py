@@ -78,7 +78,7 @@ class SweepBoard:
             value = result.get(self.metric)
             if isinstance(value, int | float):
                 row.value = float(value)
-                if self.better(row.value, row.best):
+                if math.isfinite(row.value) and self.better(row.value, row.best):  # NaN is never a best
                     row.best = row.value
             epochs = (result.get("config") or {}).get("train.epochs")
             if isinstance(epochs, int):

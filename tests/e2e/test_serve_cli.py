@@ -92,6 +92,13 @@ def test_the_printed_reload_line_reloads_the_app_and_a_taken_port_is_refused(tra
         assert "no Ray cluster could be joined" in bare.stderr and "set RAY_AUTH_MODE=token" in bare.stderr
         assert _healthz(port)["run"] == str(trained_run)
 
+        # no --address: this process starts a Ray of its own, which holds no app; the error says what to pass
+        lost = subprocess.run(
+            [*CLI, "serve", "--reload", str(second)], env=env, capture_output=True, text=True, timeout=180
+        )
+        assert lost.returncode == 2, lost.stderr[-3000:]
+        assert "--address: no app 'cascade' on this cluster" in lost.stderr and "'reload:' line" in lost.stderr
+
         # as printed: reloaded in place
         reloaded = subprocess.run(["bash", "-c", line], env=env, capture_output=True, text=True, timeout=300)
         assert reloaded.returncode == 0, reloaded.stdout[-2000:] + reloaded.stderr[-3000:]
@@ -108,4 +115,5 @@ def test_the_printed_reload_line_reloads_the_app_and_a_taken_port_is_refused(tra
         time.sleep(2)
         # whatever of its Ray is left, by PID: in its tree before and after (a PID reused meanwhile is in one only)
         signal_all(tree & process_tree(proc.pid), signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert "stopping" in log_path.read_text()

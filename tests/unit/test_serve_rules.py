@@ -43,7 +43,7 @@ def test_one_flat_row_is_one_row_however_small_max_rows_is():
         spec=SimpleNamespace(input_shape=(1, 8, 8)), check_inputs=lambda v: torch.zeros(len(v) // 64, 1, 8, 8)
     )
     assert parse_inputs(json.dumps({"inputs": [0.5] * 64}).encode(), cascade, max_rows=1).shape == (1, 1, 8, 8)
-    with pytest.raises(InputError, match="3 rows in one request; the server takes at most 2"):
+    with pytest.raises(InputError, match="a list of 130 numbers; one flat row takes exactly 64"):
         parse_inputs(json.dumps({"inputs": [0.5] * 130}).encode(), cascade, max_rows=2)
 
 
@@ -115,16 +115,15 @@ def test_the_printed_reload_line_carries_what_a_token_auth_cluster_needs():
     assert off.reload_command({}).startswith("cascade-ray serve --reload NEW_RUN")
 
 
-def test_a_busy_port_and_a_reload_without_a_cluster_fail_before_ray_and_the_run(monkeypatch, tmp_path):
-    """Both are told with the option and the fix before the run is read or a Ray starts (the busy port was
-    ~100 lines of Serve's controller and proxy tracebacks; the reload started a Ray of its own and said
-    the app was missing)."""
+def test_a_busy_port_fails_before_ray_and_the_run(monkeypatch, tmp_path):
+    """Told with the option and the fix before the run is read or a Ray starts (it was ~100 lines of
+    Serve's controller and proxy tracebacks)."""
     import socket
 
     import ray
 
     from cascade_ray.errors import ConfigError
-    from cascade_ray.tools.serve_control import reload_serving, start_serving
+    from cascade_ray.tools.serve_control import start_serving
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -136,10 +135,6 @@ def test_a_busy_port_and_a_reload_without_a_cluster_fail_before_ray_and_the_run(
             ConfigError, match=rf"--port: 127\.0\.0\.1:{port} cannot be listened on(.|\n)*fix: pass --port"
         ):
             start_serving(str(tmp_path / "no-run"), port=port)  # no run there: the port is checked first
-    with pytest.raises(
-        ConfigError, match=r"--address: a reload needs the cluster(.|\n)*'reload:' line(.|\n)*RAY_ADDRESS"
-    ):
-        reload_serving(str(tmp_path / "no-run"))
 
 
 def test_a_cluster_that_cannot_be_joined_names_token_auth_or_the_address():

@@ -146,3 +146,15 @@ def test_doctor_probes_a_bucket_and_fails_a_missing_one(s3):
     assert level == "ok" and "written, read back and deleted" in text and s3.keys("doctor") == []
     ((level, _, text),) = check_storage("s3://no-such-bucket/x")
     assert level == "FAIL" and "storage_path" in text and "AWS_ENDPOINT_URL" in text
+
+
+def test_credentials_of_any_uri_are_left_out_of_text_and_the_command_line_as_quoted():
+    """An MLflow tracking URI with user:password on the command line is quoted in error messages and in a
+    sweep's best.yaml: the credentials never are (storage URIs kept their own rules above)."""
+    from cascade_ray.cli import as_typed
+
+    assert redact("at https://me:pw@mlflow.internal:5000/x now") == "at https://mlflow.internal:5000/x now"
+    assert redact("http://mlflow.internal:5000") == "http://mlflow.internal:5000"
+    typed = as_typed("debug", ["loggers.mlflow.tracking_uri=https://me:pw@h/x", "storage_path=s3://AK:SK@b/r"])
+    assert "pw" not in typed and "SK" not in typed and typed.startswith("debug loggers.mlflow.tracking_uri=https://h/x")
+    assert as_typed("debug", ["seed=3"]) == "debug seed=3"

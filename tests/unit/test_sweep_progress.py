@@ -136,3 +136,21 @@ def test_a_resumed_sweeps_finished_trials_show_the_epochs_they_reported():
     board = SweepProgress("val_loss", "min", 3, stream=io.StringIO(), tty=False)
     board.on_step_end(0, [lost])  # finished before its first report: nothing to show but its state
     assert board.board.lines() == ["trial c ERROR      | epoch 0/3 | val_loss - | best -"]
+
+
+def test_a_nan_epoch_is_shown_as_the_value_never_as_the_best():
+    """Tune's metric_analysis keeps max(value, old), so one NaN epoch can leave it NaN: the restored
+    trial's best then comes from its finite values only, and a NaN result never becomes the best."""
+    board = SweepBoard("val_accuracy", "max", epochs=2)
+    board.update("a", result={"epoch": 1, "val_accuracy": 0.5})
+    board.update("a", result={"epoch": 2, "val_accuracy": float("nan")})
+    assert board.lines() == ["trial a PENDING    | epoch 2/2 | val_accuracy - | best 0.5000 *"]
+    restored = SimpleNamespace(
+        trial_id="b",
+        status="ERROR",
+        last_result={"epoch": 1, "val_accuracy": float("nan")},
+        metric_analysis={"val_accuracy": {"max": float("nan")}},
+    )
+    progress = SweepProgress("val_accuracy", "max", 2, stream=io.StringIO(), tty=False)
+    progress.on_step_end(0, [restored])
+    assert progress.board.rows["b"].best is None
