@@ -147,11 +147,21 @@ def write_run_outputs(
 
 
 def write_config(out: Path, cfg: PipelineConfig) -> None:
-    """``{out}/config.yaml``: the resolved config, credentials in a storage URI redacted."""
+    """``{out}/config.yaml``: the resolved config, credentials in every URI redacted (``storage_path``,
+    ``data.path``, an MLflow ``tracking_uri``, ...: a run folder is read by whoever may read the run)."""
     out.mkdir(parents=True, exist_ok=True)
-    resolved = cfg.model_dump(mode="json")
-    resolved["storage_path"] = redact(resolved["storage_path"])  # credentials in a URI stay out of files
+    resolved = _without_credentials(cfg.model_dump(mode="json"))
     (out / CONFIG_FILE).write_text(yaml.safe_dump(resolved, sort_keys=False))
+
+
+def _without_credentials(value: Any) -> Any:
+    """`value` (a JSON-like config dump) with :func:`~cascade_ray.storage.redact` applied to every string
+    that holds a URI."""
+    if isinstance(value, dict):
+        return {k: _without_credentials(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_credentials(v) for v in value]
+    return redact(value) if isinstance(value, str) and "://" in value else value
 
 
 def write_metrics(out: Path, records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -158,3 +158,20 @@ def test_credentials_of_any_uri_are_left_out_of_text_and_the_command_line_as_quo
     typed = as_typed("debug", ["loggers.mlflow.tracking_uri=https://me:pw@h/x", "storage_path=s3://AK:SK@b/r"])
     assert "pw" not in typed and "SK" not in typed and typed.startswith("debug loggers.mlflow.tracking_uri=https://h/x")
     assert as_typed("debug", ["seed=3"]) == "debug seed=3"
+
+
+def test_the_runs_config_yaml_holds_no_credential_of_any_uri(tmp_path):
+    from cascade_ray.checks import load_config
+    from cascade_ray.pipeline.outputs import CONFIG_FILE, write_config
+
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            "storage_path=s3://AKIA:s3cr3t@bucket/runs",
+            "loggers.mlflow={tracking_uri: 'https://me:pw0rd@mlflow.internal/', experiment: x}",
+        ],
+    )
+    write_config(tmp_path, cfg)
+    text = (tmp_path / CONFIG_FILE).read_text()
+    assert "s3://bucket/runs" in text and "https://mlflow.internal/" in text
+    assert not any(secret in text for secret in ("s3cr3t", "AKIA", "pw0rd"))
