@@ -6,7 +6,9 @@ raised inside Ray workers and re-raised in the driver.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 class CascadeError(Exception):
@@ -158,3 +160,18 @@ class ArtifactError(CascadeError):
     """A stage artifact is missing, truncated or altered."""
 
     exit_code = 2
+
+
+def innermost(error: BaseException, wanted: Callable[[BaseException], bool]) -> Any:
+    """The innermost exception in `error`'s chain of causes (Ray's ``cause``, then ``__cause__``, at
+    most 20 deep) for which `wanted` holds, or None. Innermost, because Ray's wrapper of an error raised
+    in a worker or actor is an instance of its class too (``RayTaskError(HealthError)``), with the remote
+    stack in its text."""
+    found, seen = None, error
+    for _ in range(20):
+        if seen is None:
+            break
+        if wanted(seen):
+            found = seen
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return found

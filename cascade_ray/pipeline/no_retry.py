@@ -25,7 +25,7 @@ from typing import Any
 
 import ray.train
 
-from cascade_ray.errors import CascadeError, FrozenDriftError, HealthError
+from cascade_ray.errors import CascadeError, FrozenDriftError, HealthError, innermost
 
 # the health rules whose firing the stage's config, data and code decide, not the node or device it ran on
 # (``emulated_bf16`` depends on the CPU a worker got: not here); "batched": every replica of a batched
@@ -47,13 +47,7 @@ def not_retried(failures: Iterable[BaseException]) -> CascadeError | None:
     would repeat (:func:`repeats`): the innermost one, not Ray's wrapper of it (``RayTaskError(HealthError)``
     is a ``HealthError`` too, with Ray's traceback in its text)."""
     for failure in failures:
-        found, seen = None, failure
-        for _ in range(20):  # Ray's wrappers, then what caused them
-            if seen is None:
-                break
-            if repeats(seen):
-                found = seen
-            seen = getattr(seen, "cause", None) or seen.__cause__
+        found = innermost(failure, repeats)
         if found is not None:
             return found
     return None

@@ -46,7 +46,7 @@ import ray
 import torch
 
 from cascade_ray.data.parquet import SHAPE_METADATA_KEY, _resolve_files
-from cascade_ray.errors import CascadeError
+from cascade_ray.errors import CascadeError, innermost
 from cascade_ray.logs import quiet_ray_data
 from cascade_ray.models.weights import to_numpy_state
 from cascade_ray.pipeline.driver import init_ray
@@ -469,14 +469,7 @@ def _errors_as_raised(log_level: str) -> Iterator[None]:
 def _ours(exc: BaseException) -> CascadeError | None:
     """A CascadeError raised in an actor, from the chain of Ray's wrappers: the innermost one
     (``RayTaskError(DataError)`` is a ``DataError`` too, with the actor's stack in its text)."""
-    seen: Any = exc
-    found = None
-    for _ in range(16):
-        if seen is None:
-            break
-        if isinstance(seen, CascadeError):
-            found = seen
-        seen = getattr(seen, "cause", None) or seen.__cause__
+    found = innermost(exc, lambda e: isinstance(e, CascadeError))
     if found is not None and found.args and isinstance(found.args[0], str):
         # Ray Data appends its retry advice ("Failed to apply UDF transform after 1/1 attempts ...") to
         # the message of an error a UDF raised: not ours to give for a bad row, which a retry repeats

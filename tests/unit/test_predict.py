@@ -155,3 +155,23 @@ def test_bad_sizes_are_refused(tmp_path):
         predict_file(tmp_path, tmp_path, tmp_path / "o", batch_rows=0)
     with pytest.raises(CascadeError, match="--actors: 0"):
         predict_file(tmp_path, tmp_path, tmp_path / "o", actors=0)
+
+
+def test_an_actors_error_is_found_behind_rays_wrapper_without_ray_datas_retry_note():
+    """What predict raises when an actor's row check fails: the DataError itself (not Ray's wrapper of
+    it, whose text is the actor's stack), without the retry advice Ray Data appends to its message."""
+    import ray.exceptions
+
+    from cascade_ray.errors import DataError
+    from cascade_ray.tools.predict import _ours
+
+    bad = DataError(
+        "--data: a.parquet row group 2, row 5, input column 'image': input 'image' holds NaN/Inf; fix it"
+        "\nFailed to apply UDF transform after 1/1 attempts (total backoff 0.0s).\nTo change retry attempts, ..."
+    )
+    wrapped = ray.exceptions.RayTaskError("MapWorker.submit", "Traceback (most recent call last): ...", bad)
+    found = _ours(wrapped.as_instanceof_cause())
+    assert found is bad and str(found) == "--data: a.parquet row group 2, row 5, input column 'image': " + (
+        "input 'image' holds NaN/Inf; fix it"
+    )
+    assert _ours(RuntimeError("not ours")) is None
