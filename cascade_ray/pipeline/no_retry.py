@@ -12,7 +12,10 @@ the Train controller's process). When a worker's exception is one of those (:fun
 it from ``after_exception``: Ray routes an error raised by a callback through its failure policy as
 a controller error, which it does not retry, and ``trainer.fit()`` raises
 ``ray.train.ControllerError`` with the error as its ``controller_failure``
-(:func:`cascade_ray.pipeline.fit.fit_stage` re-raises the error itself).
+(:func:`cascade_ray.pipeline.fit.fit_stage` re-raises the error itself). This relies on Ray 2.60
+calling user callbacks from the worker group's poll, outside its controller-callback manager
+(``execution/worker_group/worker_group.py``, ``callbacks/user_callback.py``); should a later Ray
+catch a callback's error instead, these errors are retried as before and nothing else changes.
 
 Kept light: the controller unpickles the callback, so this module imports only Ray Train and
 :mod:`cascade_ray.errors`.
