@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -259,6 +260,10 @@ def _follow(pointer: str, watched: str | None, name: str, stage: str | None, arg
     return target
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def serve_command(args: Any) -> int:
     """``cascade-ray serve``: reload (and return), or start and block until Ctrl-C, polling ``--watch``."""
     if args.reload:
@@ -295,6 +300,9 @@ def serve_command(args: Any) -> int:
     print(f"  health: {serving.url}/healthz   spec: {serving.url}/info")
     print(f"  reload: {serving.reload_command()}")
     watched = read_pointer(args.watch) if args.watch else None
+    # SIGTERM (what systemd, docker and Kubernetes send) stops it as Ctrl-C does: the app removed and the
+    # Ray this process started shut down, instead of Ray's stack dump and its agents left running
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(args.watch_interval if args.watch else 3600)

@@ -36,6 +36,13 @@ def _env(home: Path, ray_tmp: Path) -> dict[str, str]:
     return env
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
 def _healthz(port: int) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as response:
         return json.loads(response.read().decode())
@@ -105,14 +112,20 @@ def test_the_printed_reload_line_reloads_the_app_and_a_taken_port_is_refused(tra
         assert _healthz(port)["run"] == str(second)
     finally:
         tree = process_tree(proc.pid)
-        signal_all({proc.pid}, signal.SIGINT)  # Ctrl-C: the app removed, the embedded Ray stopped
+        # SIGTERM, as systemd, docker and Kubernetes stop a service: handled as Ctrl-C (the app removed,
+        # the embedded Ray shut down)
+        signal_all({proc.pid}, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             signal_all({proc.pid}, signal.SIGKILL)
             proc.wait(timeout=30)
-        time.sleep(2)
+        deadline = time.monotonic() + 30
+        while (left := (tree & process_tree(proc.pid)) - {proc.pid}) and time.monotonic() < deadline:
+            time.sleep(0.5)  # Ray's processes wind down after the driver
+        lingering = {pid: _cmdline(pid) for pid in left}
         # whatever of its Ray is left, by PID: in its tree before and after (a PID reused meanwhile is in one only)
-        signal_all(tree & process_tree(proc.pid), signal.SIGKILL)
+        signal_all(left, signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert "stopping" in log_path.read_text()
+    assert proc.returncode == 0 and "stopping" in log_path.read_text(), log_path.read_text()[-3000:]
+    assert not left, f"processes of the stopped server still ran: {lingering}"
