@@ -150,17 +150,17 @@ def write_config(out: Path, cfg: PipelineConfig) -> None:
     """``{out}/config.yaml``: the resolved config, credentials in every URI redacted (``storage_path``,
     ``data.path``, an MLflow ``tracking_uri``, ...: a run folder is read by whoever may read the run)."""
     out.mkdir(parents=True, exist_ok=True)
-    resolved = _without_credentials(cfg.model_dump(mode="json"))
+    resolved = without_credentials(cfg.model_dump(mode="json"))
     (out / CONFIG_FILE).write_text(yaml.safe_dump(resolved, sort_keys=False))
 
 
-def _without_credentials(value: Any) -> Any:
+def without_credentials(value: Any) -> Any:
     """`value` (a JSON-like config dump) with :func:`~cascade_ray.storage.redact` applied to every string
     that holds a URI."""
     if isinstance(value, dict):
-        return {k: _without_credentials(v) for k, v in value.items()}
+        return {k: without_credentials(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_without_credentials(v) for v in value]
+        return [without_credentials(v) for v in value]
     return redact(value) if isinstance(value, str) and "://" in value else value
 
 

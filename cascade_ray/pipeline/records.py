@@ -102,6 +102,13 @@ class ManifestFields(StageResult):
         "input_shape, input_dtype, target_kind, num_classes (output width), and the normalization mean / std "
         "(stats_shape: how they broadcast to one input row). Absent in artifacts written before it existed.",
     )
+    fingerprint_inputs: dict[str, Any] | None = Field(
+        default=None,
+        description="What ``fingerprint`` hashes: the stage's config (``stage``), the parent's and the data's "
+        "fingerprints, the seed, the package version, a non-default checkpoint ranking and the pretrained file's "
+        "sha256. A ``--resume`` that trains the stage again names the keys that differ. Absent in artifacts "
+        "written before it existed.",
+    )
 
 
 class Manifest(ManifestFields):

@@ -38,10 +38,11 @@ from cascade_ray.pipeline.artifacts import frozen_changes, read_artifact, write_
 from cascade_ray.pipeline.features import FeatureCache, prepare_feature_cache
 from cascade_ray.pipeline.fit import drop_last_checkpoint, fit_stage, resumable_run, unique_run_name
 from cascade_ray.pipeline.imported import import_stage
-from cascade_ray.pipeline.records import ManifestFields, StageRecord
+from cascade_ray.pipeline.outputs import without_credentials
+from cascade_ray.pipeline.records import Manifest, ManifestFields, StageRecord
 from cascade_ray.pipeline.stream_cache import StreamedCache, prepare_streamed_cache
 from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, read_checkpoint
-from cascade_ray.tracking import TrackingContext
+from cascade_ray.tracking import TrackingContext, flatten
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,10 @@ def stage_accounting(
 DEVICE_KEYS = ("precision", "memory_format", "compile")
 
 
-def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str) -> str:
-    """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version,
-    and the sha256 of its pretrained file's bytes (a changed file never reuses an old artifact)."""
+def fingerprint_inputs(cfg: PipelineConfig, index: int, parent: str, data_fp: str) -> dict[str, Any]:
+    """What stage `index`'s fingerprint hashes (:func:`stage_fingerprint`): its config, its parent's
+    fingerprint, the data's, the seed, the package version, and the sha256 of its pretrained file's
+    bytes. Kept in the artifact's manifest, so a ``--resume`` that trains the stage again can say why."""
     stage = cfg.stages[index].model_dump(mode="json")
     stage.pop("freeze", None)  # how the inputs are computed (feature cache), not what is trained
     if stage.get("seed") is None:  # unset: the pipeline seed decides (below), as before the key existed
@@ -106,8 +108,63 @@ def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str
     pretrained = cfg.stages[index].pretrained
     if pretrained is not None:  # only then, so other stages keep the fingerprints they had
         parts["pretrained_sha256"] = pretrained_sha256(pretrained.path)
-    blob = json.dumps(parts, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return parts
+
+
+def fingerprint_of(parts: Mapping[str, Any]) -> str:
+    """The fingerprint of :func:`fingerprint_inputs`' parts."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def stage_fingerprint(cfg: PipelineConfig, index: int, parent: str, data_fp: str) -> str:
+    """Hash of the stage's config, its parent's fingerprint, the data, the seed and the package version,
+    and the sha256 of its pretrained file's bytes (a changed file never reuses an old artifact)."""
+    return fingerprint_of(fingerprint_inputs(cfg, index, parent, data_fp))
+
+
+# changed config keys named in a resume's "training again" line; the rest are counted
+CHANGES_SHOWN = 5
+
+
+def fingerprint_changes(manifest: Manifest, now: Mapping[str, Any], *, stage: str, parent: str | None = None) -> str:
+    """Why a stored artifact's fingerprint differs from the config's now (`now`:
+    :func:`fingerprint_inputs`), as a resume logs it: ``stages.classifier.solver.lr: 0.001 -> 0.003``,
+    ``the upstream stage 'encoder' changed``, ``the data changed``, ``seed: 0 -> 1``, ...
+    An artifact written before its manifest kept ``fingerprint_inputs`` tells only the parent and the
+    data apart (every manifest records their fingerprints)."""
+    why: list[str] = []
+    if manifest.parent_fingerprint != now["parent"]:
+        why.append(f"the upstream stage{f' {parent!r}' if parent else ''} changed")
+    if manifest.data_fingerprint != now["data"]:
+        why.append("the data changed")
+    old = manifest.fingerprint_inputs
+    if old is None:
+        return "; ".join(why) or "the config, the seed or the package version changed (the artifact records no more)"
+    before = flatten({"stage": old.get("stage", {})})
+    after = flatten({"stage": now["stage"]})
+    keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k, _UNSET) != after.get(k, _UNSET)]
+    named = [
+        f"stages.{stage}.{k[len('stage.') :]}: {_shown(before.get(k, _UNSET))} -> {_shown(after.get(k, _UNSET))}"
+        for k in keys
+    ]
+    if len(named) > CHANGES_SHOWN:
+        named = [*named[:CHANGES_SHOWN], f"and {len(named) - CHANGES_SHOWN} more config key(s)"]
+    why += named
+    for key, label in (("checkpoint", f"stages.{stage}.train.checkpoint"), ("seed", "seed")):
+        if old.get(key) != now.get(key):
+            why.append(f"{label}: {_shown(old.get(key, _UNSET))} -> {_shown(now.get(key, _UNSET))}")
+    if old.get("pretrained_sha256") != now.get("pretrained_sha256"):
+        why.append(f"stages.{stage}.pretrained.path: the file's bytes changed")
+    if old.get("version") != now.get("version"):
+        why.append(f"cascade-ray {old.get('version')} wrote it, this is {now.get('version')}")
+    return "; ".join(why) or "its fingerprint differs"
+
+
+_UNSET = object()
+
+
+def _shown(value: Any) -> str:
+    return "(unset)" if value is _UNSET else json.dumps(value)
 
 
 @dataclass
@@ -137,9 +194,10 @@ class StageSession:
     def run(self, index: int, upstream: Handoff | None, *, resume: bool) -> tuple[dict[str, Any], Handoff]:
         """Reuse (with ``resume``) or train stage `index`; return its summary record and hand-off."""
         stage = self.cfg.stages[index]
-        fp = stage_fingerprint(self.cfg, index, upstream.fingerprint if upstream else "", self.data_fp)
+        parent = upstream.fingerprint if upstream else ""
+        fp = stage_fingerprint(self.cfg, index, parent, self.data_fp)
         if resume:
-            reused = self._reuse(index, fp)
+            reused = self._reuse(index, fp, parent)
             if reused is not None:
                 return reused
         t0 = time.perf_counter()
@@ -303,6 +361,9 @@ class StageSession:
         `known`: digests of entries of `state` already taken from these very arrays, not hashed again.
         """
         stage = self.cfg.stages[index]
+        parts = fingerprint_inputs(self.cfg, index, fields.parent_fingerprint, fields.data_fingerprint)
+        if fingerprint_of(parts) == fields.fingerprint:  # what a later --resume compares with
+            fields = fields.model_copy(update={"fingerprint_inputs": without_credentials(parts)})
         artifact = write_artifact(self.artifact_dir(index), state, fields, known=known)
         record = StageRecord.from_manifest(
             artifact.manifest,
@@ -352,8 +413,10 @@ class StageSession:
         )
         return self._persist(index, state, fields, "imported", fields.frozen_digest, started)
 
-    def _reuse(self, index: int, fp: str) -> tuple[dict[str, Any], Handoff] | None:
-        """The stored artifact when its fingerprint matches and it verifies; None to retrain."""
+    def _reuse(self, index: int, fp: str, parent: str) -> tuple[dict[str, Any], Handoff] | None:
+        """The stored artifact when its fingerprint matches and it verifies; None to retrain.
+
+        `parent`: the upstream's fingerprint `fp` was taken with."""
         path = self.artifact_dir(index)
         stage = self.cfg.stages[index]
         if not (path / "manifest.json").exists():
@@ -363,7 +426,10 @@ class StageSession:
         artifact, state = read_artifact(path)
         manifest = artifact.manifest
         if manifest.fingerprint != fp:
-            self.log(f"  {stage.name}: config, upstream or data changed since the stored artifact, training")
+            now = without_credentials(fingerprint_inputs(self.cfg, index, parent, self.data_fp))  # as stored
+            parent_name = self.cfg.stages[index - 1].name if index > 0 else None
+            why = fingerprint_changes(manifest, now, stage=stage.name, parent=parent_name)
+            self.log(f"  {stage.name}: changed since the stored artifact ({why}), training")
             return None
         record = StageRecord.from_manifest(
             manifest, name=stage.name, type=stage.type, status="reused", wall_s=0.0, artifact=str(path)

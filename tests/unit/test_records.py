@@ -17,18 +17,20 @@ from cascade_ray.cli import main as cli_main
 from cascade_ray.data.source import load_data
 from cascade_ray.errors import ArtifactError
 from cascade_ray.models.weights import save_safetensors, to_numpy_state
-from cascade_ray.pipeline.artifacts import MANIFEST, read_artifact, write_artifact
+from cascade_ray.pipeline.artifacts import MANIFEST, manifest_text, read_artifact, write_artifact
 from cascade_ray.pipeline.outputs import write_run_outputs
 from cascade_ray.pipeline.records import (
     FeatureCacheRecord,
+    Manifest,
     RunSummary,
     StageRecord,
     SweepRecord,
     read_manifest,
     read_summary,
+    seal_manifest,
     summary_text,
 )
-from cascade_ray.pipeline.stages import StageSession, stage_fingerprint
+from cascade_ray.pipeline.stages import StageSession, fingerprint_of, stage_fingerprint
 from cascade_ray.stage.setup import build_stage_model
 from cascade_ray.stage.worker import CHECKPOINT_NODES, CHECKPOINT_STATE, CHECKPOINT_WEIGHTS
 
@@ -182,7 +184,7 @@ def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
     trained, handoff = session.finish(
         0, None, _Result(ckpt, [metrics]), fp=fp, run_name="00-features-x-a1", started=0.0
     )
-    reused, _ = session._reuse(0, fp)
+    reused, _ = session._reuse(0, fp, "")
     summary = RunSummary(name="debug", test_accuracy=0.5, test_loss=1.0, stages=[trained, reused], storage="x")
     first, again = summary.stages
     assert (first.status, again.status, again.wall_s) == ("trained", "reused", 0.0)
@@ -192,6 +194,50 @@ def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
     manifest = read_manifest(Path(first.artifact) / MANIFEST)
     assert (manifest.stage, manifest.index, manifest.weights_sha256) == ("features", 0, first.digest)
     assert StageRecord.model_validate(trained) == first  # the dict the driver gets is the model's JSON form
+
+
+def test_resume_names_what_changed_since_the_stored_artifact(tmp_path, monkeypatch):
+    """A --resume that trains a stage again says why, by config key: the manifest keeps what its
+    fingerprint hashed. An artifact written before that field existed still reads, with the
+    parent / data told apart and a general reason otherwise."""
+    monkeypatch.setattr(ray, "put", lambda value: "ref")
+    cfg = load_config(CONFIGS / "debug.yaml")
+    data = load_data(cfg.data, cfg.seed)
+    model, _ = build_stage_model(cfg, 0, data, None)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_safetensors(to_numpy_state(model.state_dict()), ckpt / CHECKPOINT_WEIGHTS)
+    metrics = {"epoch": 1, "step": 9, "train_loss": 1.5, "val_loss": 1.2, "val_accuracy": 0.6}
+    (ckpt / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+    session = StageSession(cfg, tmp_path / "run", "data-ref", "d" * 64, data.input_shape, data.out_width)
+    fp = stage_fingerprint(cfg, 0, "", "d" * 64)
+    session.finish(0, None, _Result(ckpt, [metrics]), fp=fp, run_name="r", started=0.0)
+    manifest = read_manifest(session.artifact_dir(0) / MANIFEST)
+    assert fingerprint_of(manifest.fingerprint_inputs) == manifest.fingerprint == fp
+
+    def why(changed_cfg, data_fp="d" * 64):
+        lines: list[str] = []
+        again = StageSession(
+            changed_cfg, session.out, "data-ref", data_fp, data.input_shape, data.out_width, log=lines.append
+        )
+        assert again._reuse(0, stage_fingerprint(changed_cfg, 0, "", data_fp), "") is None
+        (line,) = lines
+        return line
+
+    name = cfg.stages[0].name
+    lr = cfg.stages[0].solver.lr
+    changed = load_config(CONFIGS / "debug.yaml", [f"stages[0].solver.lr={lr * 3}", "seed=99"])
+    assert why(changed) == (
+        f"  {name}: changed since the stored artifact (stages.{name}.solver.lr: {json.dumps(lr)} -> "
+        f"{json.dumps(lr * 3)}; seed: {json.dumps(cfg.seed)} -> 99), training"
+    )
+    assert "(the data changed), training" in why(cfg, data_fp="e" * 64)
+    # an artifact from before the field: the manifest still verifies, the reason is general
+    raw = json.loads((session.artifact_dir(0) / MANIFEST).read_text())
+    del raw["fingerprint_inputs"]
+    (session.artifact_dir(0) / MANIFEST).write_text(manifest_text(seal_manifest(Manifest.model_validate(raw))))
+    assert "(the config, the seed or the package version changed (the artifact records no more))" in why(changed)
+    assert "(the data changed)" in why(cfg, data_fp="e" * 64)
 
 
 def test_device_decisions_ride_in_manifest_and_record_and_older_artifacts_still_read():
