@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from cascade_ray.config.schema import PipelineConfig
+from cascade_ray.errors import CascadeError
 from cascade_ray.pipeline.records import RunSummary, StageState, error_text, summary_text
 from cascade_ray.storage import StorageDir, read_table, redact, staged_dir
 
@@ -144,6 +145,24 @@ def write_run_outputs(
     tables = write_metrics(out, records)
     pq.write_table(pa.table({"label": _column(labels), "prediction": _column(predictions)}), out / PREDICTIONS_FILE)
     return _write_events(out, tables, log, _live_events(cfg, records))
+
+
+def require_run_folder(run: StorageDir) -> None:
+    """A :class:`~cascade_ray.errors.CascadeError` when `run` does not exist, naming the run folders
+    beside it that come closest (a typo in ``{storage_path}/{name}``), before any reader says what
+    the folder lacks."""
+    if run.exists():
+        return
+    from cascade_ray.text import did_you_mean
+
+    try:
+        runs = [p.name for p in run.parent.iterdir() if (p / CONFIG_FILE).is_file() or (p / SUMMARY_FILE).is_file()]
+    except OSError:  # no parent either, or not listable: nothing to suggest
+        runs = []
+    raise CascadeError(
+        f"{run}: no such run folder{did_you_mean(run.name, runs)}: pass {{storage_path}}/{{name}} of a run "
+        "(cascade-ray run prints its folder when it ends)"
+    )
 
 
 def write_config(out: Path, cfg: PipelineConfig) -> None:

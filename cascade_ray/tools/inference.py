@@ -33,7 +33,7 @@ from cascade_ray.models.metrics import output_predictions, output_probabilities
 from cascade_ray.models.plan import require_plans
 from cascade_ray.models.weights import load_numpy_state
 from cascade_ray.pipeline.artifacts import MANIFEST, read_artifact
-from cascade_ray.pipeline.outputs import CONFIG_FILE
+from cascade_ray.pipeline.outputs import CONFIG_FILE, require_run_folder
 from cascade_ray.pipeline.records import RunSummary, read_summary
 from cascade_ray.storage import StorageDir, as_storage
 
@@ -269,6 +269,7 @@ def prediction_columns(out: torch.Tensor, kind: str) -> dict[str, np.ndarray]:
 def resolve_run(location: str | StorageDir) -> tuple[StorageDir, str | None]:
     """The run folder of `location` (a run, or one of its stage artifacts) and the stage it names, if any."""
     path = as_storage(location, "run")
+    require_run_folder(path)
     if (path / MANIFEST).is_file():  # {run}/stages/<stage>
         return path.parent.parent, path.name
     return path, None

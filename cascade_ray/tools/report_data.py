@@ -15,7 +15,13 @@ import numpy as np
 
 from cascade_ray.config.metrics import HEADLINE_METRIC
 from cascade_ray.errors import CascadeError
-from cascade_ray.pipeline.outputs import PREDICTIONS_FILE, SUMMARY_FILE, read_metrics, read_predictions
+from cascade_ray.pipeline.outputs import (
+    PREDICTIONS_FILE,
+    SUMMARY_FILE,
+    read_metrics,
+    read_predictions,
+    require_run_folder,
+)
 from cascade_ray.pipeline.records import RunSummary, StageRecord, read_summary
 from cascade_ray.storage import StorageDir, as_storage, read_table
 from cascade_ray.tools.plots import plot_confusion, plot_regression, plot_stage
@@ -56,6 +62,7 @@ class Figures:
 def read_report_data(run: str | StorageDir) -> ReportData:
     """The run's summary (finished or not), metric tables, predictions when finished, and sweep tables."""
     run = as_storage(run, "run_dir")
+    require_run_folder(run)
     if not (run / SUMMARY_FILE).is_file():
         raise CascadeError(
             f"{run} has no {SUMMARY_FILE}: pass the folder of a run, i.e. {{storage_path}}/{{name}} (the summary is "

@@ -150,6 +150,20 @@ def test_cli_predict_error_is_an_exit_code_before_ray(tmp_path, capsys):
     assert code == 1 and "is not a finished run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["predict", "serve", "export", "report"])
+def test_a_run_folder_that_does_not_exist_is_named_with_the_closest_run(tmp_path, capsys, command):
+    """A typo in {storage_path}/{name}: every reader of a run says the folder does not exist and names
+    the run beside it, not what a folder that is not there lacks."""
+    (tmp_path / "debug").mkdir()
+    (tmp_path / "debug" / "config.yaml").write_text("name: debug\n")
+    (tmp_path / "other").mkdir()  # not a run: never suggested
+    extra = {"predict": ["--data", str(tmp_path / "x.parquet"), "--out", str(tmp_path / "o")]}.get(command, [])
+    code = main([command, str(tmp_path / "debgu"), *extra])
+    err = capsys.readouterr().err
+    assert code == 1 and f"{tmp_path / 'debgu'}: no such run folder; did you mean 'debug'?" in err, err
+    assert "config.yaml" not in err and "summary.json" not in err
+
+
 def test_bad_sizes_are_refused(tmp_path):
     with pytest.raises(CascadeError, match="--batch-rows: 0"):
         predict_file(tmp_path, tmp_path, tmp_path / "o", batch_rows=0)
