@@ -83,7 +83,8 @@ def _chain(exc: Any) -> Iterator[Any]:
         if exc is None:
             return
         yield exc
-        exc = worker_failure_cause(exc) or getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+        causes = (worker_failure_cause(exc), getattr(exc, "cause", None), exc.__cause__, exc.__context__)
+        exc = next((c for c in causes if isinstance(c, BaseException)), None)  # some errors' `cause` is text
 
 
 def _first_line(exc: Any) -> str:

@@ -353,10 +353,11 @@ def build_tuner(
             scheduler=scheduler,
             search_alg=search_alg,
             max_concurrent_trials=concurrent_trials,
-            # a finished trial's driver process runs the next trial (no new process and imports
-            # per trial); one still inside its fit after 2 s (an early-stopped trial) is killed
-            # and replaced instead, as without reuse
-            reuse_actors=True,
+            # FIFO: a finished trial's driver process runs the next trial (no new process and
+            # imports per trial). Not under a scheduler that stops trials early: Ray 2.60 hands a
+            # stopped trial's actor, still inside its fit, to the next trial, whose reset then
+            # fails after 2 s; that trial ends ERROR and the sweep can hang
+            reuse_actors=scheduler is None,
         ),
         run_config=tune.RunConfig(
             name="tune",

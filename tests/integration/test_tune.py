@@ -226,6 +226,47 @@ def test_a_trial_that_fails_is_in_the_table_with_its_error_and_never_adopted(ray
     assert f"| best {good['val_accuracy']:.4f}" in first, (first, good)
 
 
+ASHA = """
+stage: encoder
+metric: val_accuracy
+mode: max
+num_samples: 6
+evaluate_current: false
+scheduler: {type: asha, grace_period: 1, reduction_factor: 2}
+space:
+  solver.lr: {loguniform: [1.0e-4, 3.0e-2]}
+"""
+
+
+@pytest.mark.slow
+def test_an_asha_sweep_that_stops_trials_early_runs_every_trial_to_the_end(ray_session, tmp_path):
+    """ASHA stops trials while others wait: each waiting trial still trains (Ray 2.60 handed a stopped
+    trial's actor, still inside its fit, to the next trial when actors were reused: that trial ended
+    ERROR after a failed reset and the sweep could hang). Bounded: the process dumps its stacks and
+    exits after 10 minutes."""
+    import faulthandler
+
+    space = tmp_path / "asha.yaml"
+    space.write_text(ASHA)
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [f"storage_path={tmp_path}", "stages.encoder.scaling.num_workers=1", "stages.encoder.train.epochs=3"],
+    )
+    lines: list[str] = []
+    faulthandler.dump_traceback_later(600, exit=True)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            summary = run_pipeline(
+                cfg, RunOptions(spaces=(("encoder", str(space)),), stop_after="encoder"), log=lines.append
+            )
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    table = pq.read_table(summary["stages"][1]["sweep"]["results"]).to_pylist()
+    assert len(table) == 6 and [r["error"] for r in table] == [None] * 6, table
+    assert min(r["epoch"] for r in table) < 3, table  # ASHA stopped some trial early
+    assert not [line for line in lines if line.startswith("WARNING trial")], lines
+
+
 def test_the_hand_offs_digests_reach_a_stages_workers_and_every_trials(ray_session, tmp_path, monkeypatch):
     """Workers check the frozen upstream against the digests the driver's hand-off carries (not a hash
     of what they received): one made wrong on the driver fails the encoder's fit, and every trial of a
