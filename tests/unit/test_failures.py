@@ -71,3 +71,15 @@ def test_errors_a_restart_would_repeat_are_found_behind_rays_wrappers_and_crashe
     with pytest.raises(HealthError):
         NoRetry().after_exception(None, {1: wrapped})
     NoRetry().after_exception(None, {0: ray.exceptions.ActorDiedError()})  # left to max_failures
+
+
+def test_an_error_whose_cause_attribute_is_text_is_summarised_not_crashed_on():
+    """Tune's trial-abort error (a failed actor reset) carries its reason as a ``cause`` string."""
+    from cascade_ray.pipeline.failures import error_message
+
+    class Aborted(RuntimeError):
+        def __init__(self, text: str):
+            super().__init__(text)
+            self.cause = text
+
+    assert error_message(Aborted("reset failed")) == "Aborted: reset failed"
