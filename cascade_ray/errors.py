@@ -114,6 +114,12 @@ class RunFinishedError(CascadeError):
         return (self.__class__, (self.run,))
 
 
+class SweepInterruptedError(CascadeError):
+    """Ctrl-C during a sweep: Tune saved its state, nothing was adopted; ``--resume`` continues it."""
+
+    exit_code = 130  # as a shell reports a command ended by SIGINT
+
+
 class FrozenDriftError(CascadeError):
     """A parameter or buffer that was meant to be frozen changed during a stage."""
 

@@ -22,7 +22,7 @@ import yaml
 
 from cascade_ray.config.metrics import rank
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.errors import CascadeError
+from cascade_ray.errors import CascadeError, SweepInterruptedError
 from cascade_ray.logs import print_guard, set_print_guard
 from cascade_ray.pipeline.failures import error_message
 from cascade_ray.pipeline.records import SweepRecord
@@ -30,7 +30,7 @@ from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, sta
 from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
 from cascade_ray.storage import StorageDir, full_uri, redact, write_table
 from cascade_ray.tune.space import TuneSpace
-from cascade_ray.tune.state import write_state
+from cascade_ray.tune.state import interrupted, watch_interrupts, write_state
 from cascade_ray.tune.sweep import build_tuner, encoded_keys, explain_reference, stage_values, trial_config
 
 CONFIG_PREFIX = "config/"
@@ -113,12 +113,19 @@ def sweep_stage(
     )
     outside = explain_reference(session.cfg, space, space_file, session.log)
     guard = print_guard()
+    watch_interrupts()
     try:
         with quiet_preset_warnings(outside):  # Tune generates the trials inside fit()
             grid = tuner.fit()
     finally:  # a sweep that raised leaves no trial block's print guard behind (SweepProgress on a TTY)
         set_print_guard(guard)
     write_state(exp_dir)  # Ray's final state is synced by now: what a later --resume verifies
+    if interrupted():  # Tune returns from fit() on Ctrl-C as if the sweep had ended
+        raise SweepInterruptedError(
+            f"stage {space.stage!r}: the sweep was interrupted (Ctrl-C) after {len(grid)} trial(s) had started; "
+            f"nothing was adopted and {exp_dir} keeps its state\n"
+            "    fix: run the same command with --resume to continue it (finished trials are kept)"
+        )
     table = table_order(trial_rows(grid, space), space.metric, space.mode)
     for row in table:
         if row["error"] is not None:  # as Tune marks the trial ERROR: kept in the table, never adopted

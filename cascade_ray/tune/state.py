@@ -18,6 +18,8 @@ digest leaves a stale sidecar: the resume then fails closed (start a fresh sweep
 from __future__ import annotations
 
 import hashlib
+import signal
+import threading
 import time
 from typing import Any
 
@@ -112,3 +114,42 @@ class StateDigestCallback(tune.Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         return {"exp_uri": self.exp_uri, "interval_s": self.interval_s, "_last": None}
+
+
+# set when Ctrl-C (SIGINT) reaches the driver during a sweep's fit (:class:`InterruptWatch`)
+_INTERRUPTED = threading.Event()
+
+
+class InterruptWatch(tune.Callback):
+    """Notes a Ctrl-C during ``Tuner.fit``, so the sweep is not taken as finished.
+
+    On SIGINT Ray Tune 2.60 saves the experiment and returns from ``fit`` as if the sweep had
+    ended: the trials it stopped look finished, the trials it never started are missing, and
+    nothing in the result grid says so. Tune installs its SIGINT handler before it sets up its
+    callbacks; ``setup`` puts a handler in front of Tune's that records the signal and passes it on
+    (Tune's then saves the state as before). Only from the main thread, where signals are delivered.
+    """
+
+    def setup(self, **info: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        tunes = signal.getsignal(signal.SIGINT)
+
+        def noted(sig: int, frame: Any) -> None:
+            _INTERRUPTED.set()
+            if callable(tunes):
+                tunes(sig, frame)
+            else:  # Tune's handler not installed (TUNE_DISABLE_SIGINT_HANDLER): Python's default
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, noted)
+
+
+def watch_interrupts() -> None:
+    """Forget an earlier sweep's Ctrl-C (call before ``Tuner.fit``)."""
+    _INTERRUPTED.clear()
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C reached the driver since :func:`watch_interrupts`."""
+    return _INTERRUPTED.is_set()

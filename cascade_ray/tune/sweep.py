@@ -34,7 +34,7 @@ from cascade_ray.storage import StorageDir, as_storage, full_uri
 from cascade_ray.tracking import TrackingContext
 from cascade_ray.tune.progress import SweepProgress
 from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
-from cascade_ray.tune.state import StateDigestCallback, verify_state
+from cascade_ray.tune.state import InterruptWatch, StateDigestCallback, verify_state
 
 TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
 INPUTS_FILE = "inputs.json"
@@ -363,7 +363,7 @@ def build_tuner(
             name="tune",
             storage_path=full_uri(exp_dir),
             verbose=0,  # Tune's own table off: SweepProgress shows one line per trial instead
-            callbacks=[StateDigestCallback(exp_dir)]
+            callbacks=[StateDigestCallback(exp_dir), InterruptWatch()]
             + ([SweepProgress(space.metric, space.mode, stage.train.epochs)] if show_progress else []),
         ),
     )
