@@ -128,19 +128,25 @@ CHANGES_SHOWN = 5
 
 def fingerprint_changes(manifest: Manifest, now: Mapping[str, Any], *, stage: str, parent: str | None = None) -> str:
     """Why a stored artifact's fingerprint differs from the config's now (`now`:
-    :func:`fingerprint_inputs`), as a resume logs it: ``stages.classifier.solver.lr: 0.001 -> 0.003``,
-    ``the upstream stage 'encoder' changed``, ``the data changed``, ``seed: 0 -> 1``, ...
-    An artifact written before its manifest kept ``fingerprint_inputs`` tells only the parent and the
-    data apart (every manifest records their fingerprints)."""
+    :func:`fingerprint_inputs`), as a resume logs it (:func:`input_changes`). An artifact written
+    before its manifest kept ``fingerprint_inputs`` tells only the parent and the data apart (every
+    manifest records their fingerprints)."""
+    stored = manifest.fingerprint_inputs or {"parent": manifest.parent_fingerprint, "data": manifest.data_fingerprint}
+    return input_changes(stored, now, stage=stage, parent=parent)
+
+
+def input_changes(old: Mapping[str, Any], now: Mapping[str, Any], *, stage: str, parent: str | None = None) -> str:
+    """What differs between two :func:`fingerprint_inputs`: ``stages.classifier.solver.lr: 0.001 -> 0.003``,
+    ``the upstream stage 'encoder' changed``, ``the data changed``, ``seed: 0 -> 1``, ...; `old` without
+    a ``stage`` entry (only ``parent`` and ``data`` known) adds a general reason when those match."""
     why: list[str] = []
-    if manifest.parent_fingerprint != now["parent"]:
+    if old.get("parent") != now["parent"]:
         why.append(f"the upstream stage{f' {parent!r}' if parent else ''} changed")
-    if manifest.data_fingerprint != now["data"]:
+    if old.get("data") != now["data"]:
         why.append("the data changed")
-    old = manifest.fingerprint_inputs
-    if old is None:
+    if "stage" not in old:
         return "; ".join(why) or "the config, the seed or the package version changed (the artifact records no more)"
-    before = flatten({"stage": old.get("stage", {})})
+    before = flatten({"stage": old["stage"]})
     after = flatten({"stage": now["stage"]})
     keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k, _UNSET) != after.get(k, _UNSET)]
     named = [

@@ -10,6 +10,7 @@ trial's values as overrides:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shlex
 import time
@@ -25,10 +26,20 @@ from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.errors import CascadeError, SweepInterruptedError
 from cascade_ray.logs import print_guard, set_print_guard
 from cascade_ray.pipeline.failures import error_message
+from cascade_ray.pipeline.outputs import without_credentials
 from cascade_ray.pipeline.records import SweepRecord
-from cascade_ray.pipeline.stages import Handoff, StageOutcome, StageSession, stage_fingerprint
+from cascade_ray.pipeline.stages import (
+    CHANGES_SHOWN,
+    Handoff,
+    StageOutcome,
+    StageSession,
+    fingerprint_inputs,
+    input_changes,
+    stage_fingerprint,
+)
 from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
 from cascade_ray.storage import StorageDir, full_uri, redact, write_table
+from cascade_ray.tracking import flatten
 from cascade_ray.tune.space import TuneSpace
 from cascade_ray.tune.state import interrupted, watch_interrupts, write_state
 from cascade_ray.tune.sweep import build_tuner, encoded_keys, explain_reference, stage_values, trial_config
@@ -94,7 +105,18 @@ def sweep_stage(
 ) -> SweepOutcome:
     """Run one stage's sweep on top of `upstream` (frozen, one object-store copy for all trials)."""
     exp_dir = session.out / "tune" / space.stage
-    cache = session.feature_cache(session.cfg.stage_index(space.stage), upstream)  # one copy for every trial
+    index = session.cfg.stage_index(space.stage)
+    ran_on = sweep_inputs(session, space, index, upstream)
+    if resume:
+        changed = sweep_changes(exp_dir, ran_on, session.cfg, index)
+        if changed is not None:  # as a changed stage trains again on --resume: its sweep runs again
+            session.log(
+                f"  {space.stage}: the sweep in {exp_dir} ran on another config or space ({changed}); sweeping again"
+            )
+            resume = False
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    (exp_dir / SWEEP_INPUTS).write_text(json.dumps(ran_on, sort_keys=True))
+    cache = session.feature_cache(index, upstream)  # one copy for every trial
     streamed = session.stream is not None  # then every trial streams the data (or the streamed cache's shards)
     tuner = build_tuner(
         session.cfg,
@@ -157,6 +179,43 @@ def sweep_stage(
         results_path,
         best_yaml,
     )
+
+
+SWEEP_INPUTS = "sweep.json"  # what a plain sweep ran on: a --resume compares it before restoring
+
+
+def sweep_inputs(session: StageSession, space: TuneSpace, index: int, upstream: Handoff | None) -> dict[str, Any]:
+    """What a sweep's trials depend on besides their sampled values: the space file's content and the
+    swept stage's base fingerprint inputs (config, upstream, data, seed, version), credentials redacted."""
+    parent = upstream.fingerprint if upstream else ""
+    stage = fingerprint_inputs(session.cfg, index, parent, session.data_fp)
+    return without_credentials({"space": space.model_dump(mode="json"), "stage": stage})
+
+
+def sweep_changes(exp_dir: StorageDir, now: dict[str, Any], cfg: PipelineConfig, index: int) -> str | None:
+    """Why the sweep stored in `exp_dir` cannot be continued with `now` (:func:`sweep_inputs`), or None
+    (the same inputs, or a sweep from before they were recorded: restored as before)."""
+    file = exp_dir / SWEEP_INPUTS
+    if not file.is_file():
+        return None
+    try:
+        old = json.loads(file.read_text())
+    except ValueError:
+        return f"its {SWEEP_INPUTS} is unreadable"
+    if old == now:
+        return None
+    stage = cfg.stages[index].name
+    why = []
+    if old.get("stage") != now["stage"]:
+        parent = cfg.stages[index - 1].name if index > 0 else None
+        why.append(input_changes(old.get("stage") or {}, now["stage"], stage=stage, parent=parent))
+    if old.get("space") != now["space"]:
+        before, after = flatten(old.get("space") or {}), flatten(now["space"])
+        keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k) != after.get(k)]
+        why.append(
+            "the space file changed: " + ", ".join(keys[:CHANGES_SHOWN]) + (" ..." if len(keys) > CHANGES_SHOWN else "")
+        )
+    return "; ".join(why)
 
 
 def best_yaml_text(

@@ -105,3 +105,40 @@ def test_the_callback_rewrites_the_sidecar_and_survives_tunes_pickle(exp_dir):
     restored = pickle.loads(pickle.dumps(callback))  # Tune pickles its callbacks into tuner.pkl
     restored.on_experiment_end(trials=[])
     verify_state(as_storage(exp_dir))
+
+
+def test_a_resumed_sweep_names_what_changed_since_it_ran(tmp_path):
+    """--resume of a plain sweep compares what it ran on (sweep.json: the space and the stage's fingerprint
+    inputs) and names the config and space keys that changed; the same inputs, or a sweep from before the
+    file existed, restore as before (None)."""
+    import json
+
+    from paths import CONFIGS
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.pipeline.stages import StageSession
+    from cascade_ray.tune.run import SWEEP_INPUTS, sweep_changes, sweep_inputs
+    from cascade_ray.tune.space import load_space
+
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text(
+        "stage: classifier\nnum_samples: 2\nscheduler: {type: fifo}\nspace:\n  solver.lr: {loguniform: [1.0e-4, 1.0e-2]}\n"
+    )
+
+    def inputs(overrides, text=None):
+        if text is not None:
+            space_file.write_text(text)
+        cfg = load_config(CONFIGS / "debug.yaml", overrides)
+        session = StageSession(cfg, tmp_path, None, "d" * 64, (1, 8, 8), 10)
+        index = cfg.stage_index("classifier")
+        return cfg, index, sweep_inputs(session, load_space(space_file, cfg), index, None)
+
+    cfg, index, ran_on = inputs([])
+    assert sweep_changes(tmp_path, ran_on, cfg, index) is None  # no sweep.json: an older sweep, restored
+    (tmp_path / SWEEP_INPUTS).write_text(json.dumps(ran_on, sort_keys=True))
+    assert sweep_changes(tmp_path, ran_on, cfg, index) is None
+    cfg, index, now = inputs(["stages.classifier.train.epochs=7"])
+    assert sweep_changes(tmp_path, now, cfg, index).startswith("stages.classifier.train.epochs: ")
+    assert "-> 7" in sweep_changes(tmp_path, now, cfg, index)
+    cfg, index, now = inputs([], space_file.read_text().replace("num_samples: 2", "num_samples: 3"))
+    assert sweep_changes(tmp_path, now, cfg, index) == "the space file changed: num_samples"
