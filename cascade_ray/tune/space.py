@@ -9,6 +9,7 @@ key that is not a stage field, or a value the stage would reject, fails before a
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -209,8 +210,20 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
                 "search", "search: grid needs every space entry to be a grid", "use search: random, or grid lists only"
             )
         )
+    if space.search == "optuna" and importlib.util.find_spec("optuna") is None:
+        # Ray's OptunaSearch imports without it and fails only when the sweep builds it, after Ray starts
+        issues.append(
+            ConfigIssue(
+                "search",
+                "search: optuna needs the optuna package, which is not installed",
+                "pip install optuna, or use search: random",
+            )
+        )
     for key, dist in space.space.items():
-        issues += _distribution_issues(f"space.{key}", dist)
+        wrong = _distribution_issues(f"space.{key}", dist)
+        issues += wrong
+        if wrong:
+            continue  # no values to probe the stage with
         for value in _probe_values(dist):
             found = _key_issues(cfg, space.stage, key, value)
             issues += found

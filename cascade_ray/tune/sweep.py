@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -266,6 +267,9 @@ def search_algorithm(
     if space.search == "optuna":
         try:
             from ray.tune.search.optuna import OptunaSearch
+
+            if importlib.util.find_spec("optuna") is None:  # Ray's module imports without it
+                raise ImportError("optuna")
         except ImportError:
             raise ConfigError(
                 [ConfigIssue("search", "optuna is not installed", "pip install optuna, or use search: random")],

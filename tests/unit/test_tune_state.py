@@ -142,3 +142,32 @@ def test_a_resumed_sweep_names_what_changed_since_it_ran(tmp_path):
     assert "-> 7" in sweep_changes(tmp_path, now, cfg, index)
     cfg, index, now = inputs([], space_file.read_text().replace("num_samples: 2", "num_samples: 3"))
     assert sweep_changes(tmp_path, now, cfg, index) == "the space file changed: num_samples"
+
+
+@pytest.mark.parametrize(
+    ("entry", "path", "said"),
+    [
+        ("solver.lr: {}", "space.solver.lr", "give exactly one distribution, got none"),
+        ("solver.lr: {choice: [0.1]}\nsearch: optuna", "search", "needs the optuna package"),
+    ],
+)
+def test_space_mistakes_found_before_ray_name_the_key(tmp_path, monkeypatch, entry, path, said):
+    """An empty distribution (it crashed the check with StopIteration) and search: optuna without optuna
+    (Ray's OptunaSearch imports without it and failed after Ray started) are ConfigErrors naming the key."""
+    import importlib.util
+
+    from paths import CONFIGS
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tune.space import load_space
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else real(name, *a))
+    space_file = tmp_path / "space.yaml"
+    key, _, rest = entry.partition("\n")
+    space_file.write_text(f"stage: classifier\nspace:\n  {key}\n{rest}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_space(space_file, load_config(CONFIGS / "debug.yaml"))
+    found = {issue.path: issue.message for issue in caught.value.issues}
+    assert said in found.get(path, ""), found
