@@ -238,7 +238,9 @@ def best_yaml_text(
             if before
             else []
         ),
-        f"# its config again: cascade-ray run {config_arg} {shlex.join(files)}",
+        f"# its config again: cascade-ray run {config_arg} {shlex.join(files)}"
+        # a sweep inside a full run: that run folder will hold a finished run, which `run` refuses to train over
+        + (f" name={session.cfg.name}-best" if session.options.stop_after is None else ""),
     ]
     return (
         "\n".join(lines)

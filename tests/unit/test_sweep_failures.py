@@ -4,6 +4,7 @@ are tests/integration/test_tune.py (a trial that diverges) and test_batched_tune
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def test_best_yaml_names_what_else_the_best_trial_trained_with_and_no_credential
         spaces=(("encoder", "e.yaml"), ("classifier", "c.yaml")),
         config_arg="debug stages.classifier.solver.type=SGD storage_path=s3://AKID:s3cret@bucket/runs",
     )
-    session = SimpleNamespace(options=options, out=as_storage(tmp_path / "debug"))
+    session = SimpleNamespace(options=options, out=as_storage(tmp_path / "debug"), cfg=SimpleNamespace(name="debug"))
     space = SimpleNamespace(stage="classifier", metric="val_accuracy", mode="max")
     text = best_yaml_text(session, space, 4, {"solver.lr": 0.01}, batched=True)
     assert "s3cret" not in text and "AKID" not in text
@@ -148,8 +149,11 @@ def test_best_yaml_names_what_else_the_best_trial_trained_with_and_no_credential
         "storage_path=s3://bucket/runs",
         "# on the best of the stages swept before it: 'encoder'",
         "# its config again: cascade-ray run debug stages.classifier.solver.type=SGD storage_path=s3://bucket/runs "
-        f"{tmp_path}/debug/tune/encoder/best.yaml {tmp_path}/debug/tune/classifier/best.yaml",
-    ]
+        f"{tmp_path}/debug/tune/encoder/best.yaml {tmp_path}/debug/tune/classifier/best.yaml name=debug-best",
+    ]  # a sweep inside a full run (run --tune): that folder will hold a finished run, so another name
+    alone = dataclasses.replace(options, stop_after="classifier")  # cascade-ray tune: the folder stays open
+    again = best_yaml_text(SimpleNamespace(options=alone, out=session.out, cfg=session.cfg), space, 4, {})
+    assert again.splitlines()[3].endswith("/debug/tune/classifier/best.yaml"), again
     best = tmp_path / "best.yaml"
     best.write_text(text)
     assert read_yaml(best) == {"stages.classifier.solver.lr": 0.01}  # read back as overrides: the values only
