@@ -160,12 +160,15 @@ class SweepProgress(tune.Callback):
 
     def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
         for trial in trials:  # new trials (PENDING) and state changes Tune has no hook for (PAUSED)
-            if trial.trial_id not in self.board.rows and trial.status in FINISHED:
-                # a resumed sweep's trial that had finished: Tune reports nothing more of it, so its line
-                # shows the epochs it reported before (not "epoch 0/N")
-                self._changed(trial.trial_id, state=trial.status, **self._reported(trial))
-            else:
-                self._changed(trial.trial_id, state=trial.status)
+            self._seen(trial)
+
+    def _seen(self, trial: Any) -> None:
+        if trial.trial_id not in self.board.rows and trial.status in FINISHED:
+            # a resumed sweep's trial that had finished: Tune reports nothing more of it, so its line
+            # shows the epochs it reported before (not "epoch 0/N")
+            self._changed(trial.trial_id, state=trial.status, **self._reported(trial))
+        else:
+            self._changed(trial.trial_id, state=trial.status)
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self._changed(trial.trial_id, state="RUNNING")
@@ -180,8 +183,8 @@ class SweepProgress(tune.Callback):
         self._changed(trial.trial_id, state="ERROR")
 
     def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
-        for trial in trials:
-            self._changed(trial.trial_id, state=trial.status)
+        for trial in trials:  # a resumed sweep whose trials had all finished has no step: seen here first
+            self._seen(trial)
         if self.previous is not None:  # the block stays on screen as the sweep's last word
             from cascade_ray.logs import set_print_guard
 

@@ -136,6 +136,12 @@ def test_a_resumed_sweeps_finished_trials_show_the_epochs_they_reported():
     board = SweepProgress("val_loss", "min", 3, stream=io.StringIO(), tty=False)
     board.on_step_end(0, [lost])  # finished before its first report: nothing to show but its state
     assert board.board.lines() == ["trial c ERROR      | epoch 0/3 | val_loss - | best -"]
+    # every trial had finished: Tune goes straight to the experiment's end, with no step
+    ended = io.StringIO()
+    SweepProgress("val_accuracy", "max", 2, stream=ended, tty=False).on_experiment_end([done])
+    assert ended.getvalue().splitlines() == [
+        "trial a_00000 TERMINATED | epoch 2/2 | val_accuracy 0.6000 | best 0.7000 *"
+    ]
 
 
 def test_a_nan_epoch_is_shown_as_the_value_never_as_the_best():
