@@ -75,7 +75,9 @@ def observer_hooks(
             samples_per_step=samples,
         )
         hooks.append(LoopHooks(after_optimizer_step=progress, on_log=_quiet))  # the driver shows progress
-    elif loop_config.get("log_level") == "warning":
+    elif loop_config.get("log_level") == "warning" or (
+        loop_config.get("trial") and loop_config.get("log_level") != "debug"
+    ):  # a Tune trial's step lines: only with --log-level debug (the sweep's board shows each trial's epochs)
         hooks.append(LoopHooks(on_log=_quiet))
     profiler = None
     if rank == 0 and loop_config.get("profile"):

@@ -207,6 +207,7 @@ def _run_trial(
         ray_dir=run.parent,
         run_name=run.name,
         callbacks=[TuneReportCallback()],
+        loop_extra={"trial": True},  # no per-step lines from its rank 0 below --log-level debug
         features_ref=features_ref,
         options=options,
         stream=stream,

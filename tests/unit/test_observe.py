@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 from paths import CONFIGS
@@ -168,3 +169,24 @@ def test_the_pipeline_script_and_the_cli_share_their_run_flags():
         return {opt for action in parser._actions for opt in action.option_strings}
 
     assert flags(script["build_parser"]()) == flags(run) | {"--config"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "level", "printed"),
+    [({}, "info", True), ({"trial": True}, "info", False), ({"trial": True}, "debug", True), ({}, "warning", False)],
+)
+def test_a_tune_trials_rank_0_prints_step_lines_only_at_debug(tmp_path, capsys, extra, level, printed):
+    """A plain stage without a board prints its step lines (info); a sweep's trials would interleave them in
+    the driver's log, so a trial's only at --log-level debug (the sweep's board shows its epochs)."""
+    import torch
+
+    from cascade_ray.stage.loop import _log_step
+    from cascade_ray.stage.observe import observer_hooks
+
+    cfg = load_config(CONFIGS / "debug.yaml")
+    loop_config = {**observer_config(cfg, 2, tmp_path, RunOptions(log_level=level), board=None), **extra}
+    hooks, finish = observer_hooks(loop_config, cfg, 2, 0, 1, torch.device("cpu"))
+    row = {"epoch": 1, "step": 10, "train_loss": 0.5, "lr": 0.01, "samples_per_s": 100.0}
+    _log_step(SimpleNamespace(row=row, stage=cfg.stages[2], total_steps=20), hooks, eta=1.0)
+    finish()
+    assert ("[classifier] epoch 1/" in capsys.readouterr().out) is printed
