@@ -63,6 +63,17 @@ def read_report_data(run: str | StorageDir) -> ReportData:
     """The run's summary (finished or not), metric tables, predictions when finished, and sweep tables."""
     run = as_storage(run, "run_dir")
     require_run_folder(run)
+    if not (run / SUMMARY_FILE).is_file() and (run / "tune").is_dir():
+        swept = sorted(p.name for p in (run / "tune").iterdir() if (p / "results.parquet").is_file())
+        if swept:
+            raise CascadeError(
+                f"{run} holds only sweeps ({', '.join(swept)}: cascade-ray tune writes no summary.json); their "
+                f"tables are {run}/tune/<stage>/results.parquet, best first\n"
+                "    fix: train the pipeline on a best.yaml as its header says (cascade-ray run CONFIG .../best.yaml), "
+                "then report that run; or sweep inside a run (cascade-ray run CONFIG --tune DIR, DIR holding <stage>.yaml "
+                "spaces), whose report "
+                "shows the sweep's table"
+            )
     if not (run / SUMMARY_FILE).is_file():
         raise CascadeError(
             f"{run} has no {SUMMARY_FILE}: pass the folder of a run, i.e. {{storage_path}}/{{name}} (the summary is "

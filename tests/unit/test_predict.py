@@ -189,3 +189,15 @@ def test_an_actors_error_is_found_behind_rays_wrapper_without_ray_datas_retry_no
         "input 'image' holds NaN/Inf; fix it"
     )
     assert _ours(RuntimeError("not ours")) is None
+
+
+def test_report_on_a_folder_of_sweeps_only_says_where_their_tables_are(tmp_path, capsys):
+    """cascade-ray tune leaves tune/<stage>/results.parquet and no summary.json: the report names the
+    sweeps and how to get a run whose report shows them, not only that summary.json is missing."""
+    table = tmp_path / "debug" / "tune" / "classifier" / "results.parquet"
+    table.parent.mkdir(parents=True)
+    table.write_bytes(b"PAR1")  # its presence is what counts here
+    code = main(["report", str(tmp_path / "debug")])
+    err = capsys.readouterr().err
+    assert code == 1 and "holds only sweeps (classifier: cascade-ray tune writes no summary.json)" in err, err
+    assert "cascade-ray run CONFIG .../best.yaml" in err
