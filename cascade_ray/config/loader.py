@@ -51,6 +51,13 @@ def parse_config(raw: dict[str, Any], issues: list[ConfigIssue]) -> tuple[Pipeli
     return cfg, dropped_paths
 
 
+def schema_issues(exc: ValidationError, root: type[BaseModel]) -> list[ConfigIssue]:
+    """`exc` (from ``root.model_validate``, any strict model of this package, e.g. a space file's) as
+    issues the way a config's are reported: key paths, a did-you-mean for unknown keys and choices,
+    the value found and a fix."""
+    return [_translate(err, root) for err in _merge_union_errors(exc.errors(include_url=False), root)]
+
+
 def sorted_issues(issues: list[ConfigIssue]) -> list[ConfigIssue]:
     """Issues without duplicates, in key-path order (``stages[2]`` before ``stages[10]``)."""
     return sorted(_dedupe(issues), key=_path_key)
@@ -85,22 +92,22 @@ def _drop(raw: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | None:
     return loc[:at]
 
 
-def _union_tag_at(loc: tuple[str | int, ...]) -> int | None:
+def _union_tag_at(loc: tuple[str | int, ...], root: type[BaseModel] = PipelineConfig) -> int | None:
     """Index of the union-member tag pydantic appends to a location (``use_gpu.bool``), or None."""
     for k in range(1, len(loc)):
-        annotation = _strip_optional(_walk(loc[:k])[1])
+        annotation = _strip_optional(_walk(loc[:k], root)[1])
         if typing.get_origin(annotation) in (typing.Union, types.UnionType):
             return k
     return None
 
 
-def _merge_union_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _merge_union_errors(errors: list[dict[str, Any]], root: type[BaseModel] = PipelineConfig) -> list[dict[str, Any]]:
     """One ``union_error`` per union-typed key instead of one error per member type (and tagged paths)."""
     out: list[dict[str, Any]] = []
     merged: set[tuple[str | int, ...]] = set()
     for err in errors:
         loc = tuple(err["loc"])
-        k = _union_tag_at(loc)
+        k = _union_tag_at(loc, root)
         if k is None:
             out.append(err)
         elif loc[:k] not in merged:
@@ -176,23 +183,23 @@ _TYPE_FIXES = {
 }
 
 
-def _translate(err: dict[str, Any]) -> ConfigIssue:
+def _translate(err: dict[str, Any], root: type[BaseModel] = PipelineConfig) -> ConfigIssue:
     loc = tuple(err["loc"])
     path = format_path(loc)
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
-        fields = _fields_at(loc[:-1])
+        fields = _fields_at(loc[:-1], root)
         key = str(loc[-1])
         hint = did_you_mean(key, fields)
         return ConfigIssue(path, f"unknown key {short_repr(key)}{hint} (valid: {', '.join(sorted(fields))})")
     if kind == "literal_error":
-        choices = _literal_choices(loc)
+        choices = _literal_choices(loc, root)
         hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
         return ConfigIssue(path, f"{short_repr(value)} is not allowed{hint} (valid: {', '.join(choices)})")
     if kind == "missing":
         return ConfigIssue(path, "required key is missing", f"add {loc[-1]}: ..." if loc else "")
     if kind == "union_error":
-        choices = [d for arg in typing.get_args(_strip_optional(_walk(loc)[1])) for d in _describe(arg)]
+        choices = [d for arg in typing.get_args(_strip_optional(_walk(loc, root)[1])) for d in _describe(arg)]
         quirk = yaml11_fix(value, "bool" if "true" in choices else "number") if isinstance(value, str) else ""
         fix = f"write {', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else ""
         return ConfigIssue(path, f"{short_repr(value)} is not valid here", f"{quirk}; {fix}" if quirk else fix)
@@ -225,10 +232,10 @@ def _strip_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _walk(loc: tuple[str | int, ...]) -> tuple[type[BaseModel] | None, Any]:
-    """The model class and field annotation that a schema location points at."""
-    model: type[BaseModel] | None = PipelineConfig
-    annotation: Any = PipelineConfig
+def _walk(loc: tuple[str | int, ...], root: type[BaseModel] = PipelineConfig) -> tuple[type[BaseModel] | None, Any]:
+    """The model class and field annotation that a schema location points at (from `root`)."""
+    model: type[BaseModel] | None = root
+    annotation: Any = root
     for part in loc:
         current = _strip_optional(annotation)
         if isinstance(part, str) and model is not None and part in model.model_fields:
@@ -244,11 +251,11 @@ def _walk(loc: tuple[str | int, ...]) -> tuple[type[BaseModel] | None, Any]:
     return model, annotation
 
 
-def _fields_at(loc: tuple[str | int, ...]) -> list[str]:
-    model = PipelineConfig if not loc else _walk(loc)[0]
+def _fields_at(loc: tuple[str | int, ...], root: type[BaseModel] = PipelineConfig) -> list[str]:
+    model = root if not loc else _walk(loc, root)[0]
     return list(model.model_fields) if model else []
 
 
-def _literal_choices(loc: tuple[str | int, ...]) -> list[str]:
-    annotation = _strip_optional(_walk(loc)[1])
+def _literal_choices(loc: tuple[str | int, ...], root: type[BaseModel] = PipelineConfig) -> list[str]:
+    annotation = _strip_optional(_walk(loc, root)[1])
     return [str(a) for a in typing.get_args(annotation)] if typing.get_origin(annotation) is Literal else []

@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic_core import PydanticCustomError
 
 from cascade_ray.checks import validate_config
+from cascade_ray.config.loader import schema_issues
 from cascade_ray.config.metrics import epoch_metric_names, metric_mode
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.config.yaml_io import read_yaml, split_key
 from cascade_ray.errors import ConfigError, ConfigIssue
-from cascade_ray.text import format_path
 
 
 class _Strict(BaseModel):
@@ -133,9 +133,7 @@ def load_space(path: str | Path, cfg: PipelineConfig) -> TuneSpace:
     try:
         space = TuneSpace.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(
-            [ConfigIssue(format_path(e["loc"]), e["msg"]) for e in exc.errors(include_url=False)], str(path)
-        ) from None
+        raise ConfigError(schema_issues(exc, TuneSpace), str(path)) from None
     issues = space_issues(space, cfg)
     if issues:
         raise ConfigError(issues, str(path))

@@ -171,3 +171,24 @@ def test_space_mistakes_found_before_ray_name_the_key(tmp_path, monkeypatch, ent
         load_space(space_file, load_config(CONFIGS / "debug.yaml"))
     found = {issue.path: issue.message for issue in caught.value.issues}
     assert said in found.get(path, ""), found
+
+
+def test_a_space_files_schema_errors_read_like_a_configs(tmp_path):
+    """Unknown keys and choices get a did-you-mean and the valid names, as in a config (they were pydantic's
+    bare "Extra inputs are not permitted")."""
+    from paths import CONFIGS
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tune.space import load_space
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "stage: classifier\nnum_sampels: 2\nsearch: randm\nspace:\n  solver.lr: {loguniformm: [1.0e-4, 1.0e-2]}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_space(bad, load_config(CONFIGS / "debug.yaml"))
+    found = {issue.path: issue.message for issue in caught.value.issues}
+    assert "unknown key 'num_sampels'; did you mean 'num_samples'?" in found["num_sampels"]
+    assert "'randm' is not allowed; did you mean 'random'?" in found["search"]
+    assert "did you mean 'loguniform'?" in found["space.solver.lr.loguniformm"]
