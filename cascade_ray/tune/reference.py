@@ -14,7 +14,10 @@ Generated from `cascade_ray/tune/space.py` by `python -m cascade_ray.tune.refere
 edit by hand (a test fails when this file is stale). A space file sweeps one stage:
 `cascade-ray tune CONFIG --space FILE`, or, in `cascade-ray run --tune DIR`, one `<stage>.yaml`
 per swept stage. Unknown keys and wrong types are errors, reported with the file's name before
-Ray starts. Each key under `space` is a dotted key of the stage's own config (`solver.lr`,
+Ray starts; so are values a trial could not train with: each value against the stage, then the
+values in combination (every listed value and each range's bounds, the first 64 combinations)
+with the whole pipeline's shape check, so an encoder width the next stage does not take or
+`betas` with `solver.type: SGD` is found before any trial. Each key under `space` is a dotted key of the stage's own config (`solver.lr`,
 `loss.scale`, `model.hidden`), given exactly one distribution. Examples: `tune_spaces/` (the
 shipped ones: `cascade-ray ls`); batched sweeps: "Batched sweeps" in `docs/guide.md`.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -227,7 +228,42 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
             issues += found
             if found:
                 break  # one report per key is enough
+    if not issues:
+        issues += _combination_issues(cfg, space)
     return _unique(issues)
+
+
+# combinations of the space's values validated together before any trial (each ~1-30 ms)
+COMBINATIONS_CHECKED = 64
+
+
+def _combination_issues(cfg: PipelineConfig, space: TuneSpace) -> list[ConfigIssue]:
+    """Values that pass one key at a time but not together, or not with the rest of the pipeline (an encoder's
+    width the next stage does not take, ``betas`` with ``solver.type: SGD``): the space's probe values
+    (:func:`_probe_values`: every listed value, a range's bounds) in combination, up to
+    :data:`COMBINATIONS_CHECKED` of them, each validated with the shape preflight. The first failing
+    combination is reported, naming its values."""
+    keys = list(space.space)
+    for values in itertools.islice(
+        itertools.product(*(_probe_values(space.space[k]) for k in keys)), COMBINATIONS_CHECKED
+    ):
+        raw = cfg.model_dump(mode="json")
+        for key, value in zip(keys, values):
+            set_stage_value(raw, space.stage, key, value)
+        try:
+            validate_config(raw)
+        except ConfigError as exc:
+            shown = ", ".join(f"{k}={v!r}" for k, v in zip(keys, values))
+            first = exc.issues[0]
+            apart = "take out the values that cannot go together (or sweep them in separate space files)"
+            return [
+                ConfigIssue(
+                    "space",
+                    f"the trial with {shown} cannot train: {first.path}: {first.message}",
+                    f"{first.fix}; or {apart}" if first.fix else apart,
+                )
+            ]
+    return []
 
 
 def _distribution_issues(path: str, dist: Distribution) -> list[ConfigIssue]:

@@ -192,3 +192,32 @@ def test_a_space_files_schema_errors_read_like_a_configs(tmp_path):
     assert "unknown key 'num_sampels'; did you mean 'num_samples'?" in found["num_sampels"]
     assert "'randm' is not allowed; did you mean 'random'?" in found["search"]
     assert "did you mean 'loguniform'?" in found["space.solver.lr.loguniformm"]
+
+
+@pytest.mark.parametrize(
+    ("stage", "entries", "said"),
+    [
+        ("encoder", "  model.d_model: {choice: [16, 24]}\n", "the trial with model.d_model=24 cannot train"),
+        (
+            "classifier",
+            "  solver.type: {grid: [Adam, SGD]}\n  solver.betas: {choice: [[0.9, 0.99]]}\n",
+            "the trial with solver.type='SGD', solver.betas=[0.9, 0.99] cannot train",
+        ),
+    ],
+)
+def test_values_that_fail_together_or_with_the_next_stage_are_found_before_any_trial(tmp_path, stage, entries, said):
+    """Each value passes alone; in combination (or with the next stage's input width) a trial could not
+    train: the space is refused before Ray starts, naming the combination (every trial with it failed)."""
+    from paths import CONFIGS
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tune.space import load_space
+
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text(f"stage: {stage}\nspace:\n{entries}")
+    with pytest.raises(ConfigError) as caught:
+        load_space(space_file, load_config(CONFIGS / "debug.yaml"))
+    (issue,) = caught.value.issues
+    assert issue.path == "space" and said in issue.message, issue.render()
+    assert "take out the values that cannot go together" in issue.fix
