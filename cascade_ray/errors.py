@@ -114,8 +114,9 @@ class RunFinishedError(CascadeError):
         return (self.__class__, (self.run,))
 
 
-class SweepInterruptedError(CascadeError):
-    """Ctrl-C during a sweep: Tune saved its state, nothing was adopted; ``--resume`` continues it."""
+class RunInterruptedError(CascadeError):
+    """Ctrl-C during a stage's fit or a sweep: nothing of it was adopted; ``--resume`` continues it (from the
+    stage's latest checkpoint, or the sweep's saved state)."""
 
     exit_code = 130  # as a shell reports a command ended by SIGINT
 

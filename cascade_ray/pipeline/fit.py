@@ -7,7 +7,9 @@ import json
 import math
 import os
 import re
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ import ray.train
 from cascade_ray.config.metrics import retention_metric
 from cascade_ray.config.schema import PipelineConfig, StageConfig
 from cascade_ray.constants import FAULT_ONCE_ENV
-from cascade_ray.errors import CascadeError, ResourceError
+from cascade_ray.errors import CascadeError, ResourceError, RunInterruptedError
 from cascade_ray.logs import train_logging_config
 from cascade_ray.models.plan import known_plans
 from cascade_ray.options import RunOptions
@@ -418,8 +420,16 @@ def fit_stage(
             ),
         ),
     )
+    # Ray Train 2.60 installs a SIGINT handler in the driver for each fit and leaves it there: Ctrl-C aborts the
+    # fit's controller and exits through SystemExit, and after the fit a Ctrl-C would call that dead controller
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
         return trainer.fit()
+    except SystemExit:  # raised only by Ray Train's SIGINT handler while the fit runs
+        raise RunInterruptedError(
+            f"stage {stage.name!r}: interrupted (Ctrl-C) while it trained; nothing of it was adopted\n"
+            "    fix: run the same command with --resume to continue it from its latest checkpoint"
+        ) from None
     except ray.train.WorkerGroupError as exc:
         failures = exc.worker_failures.values()
         raise _cascade_cause(exc) or stage_failure(failures, stage.name, index, str(ray_dir)) or exc from None
@@ -427,6 +437,9 @@ def fit_stage(
         if isinstance(exc.controller_failure, CascadeError):
             raise exc.controller_failure from None
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def kept_checkpoints(result: ray.train.Result) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:

@@ -23,7 +23,7 @@ import yaml
 
 from cascade_ray.config.metrics import rank
 from cascade_ray.config.schema import PipelineConfig
-from cascade_ray.errors import CascadeError, SweepInterruptedError
+from cascade_ray.errors import CascadeError, RunInterruptedError
 from cascade_ray.logs import print_guard, set_print_guard
 from cascade_ray.pipeline.failures import error_message
 from cascade_ray.pipeline.outputs import without_credentials
@@ -41,7 +41,14 @@ from cascade_ray.ray_compat import quiet_preset_warnings, read_run_result
 from cascade_ray.storage import StorageDir, full_uri, redact, write_table
 from cascade_ray.tracking import flatten
 from cascade_ray.tune.space import TuneSpace
-from cascade_ray.tune.state import interrupted, watch_interrupts, write_state
+from cascade_ray.tune.state import (
+    drop_state,
+    interrupted,
+    restore_signal_handlers,
+    signal_handlers,
+    watch_interrupts,
+    write_state,
+)
 from cascade_ray.tune.sweep import build_tuner, encoded_keys, explain_reference, stage_values, trial_config
 
 CONFIG_PREFIX = "config/"
@@ -115,6 +122,8 @@ def sweep_stage(
             )
             resume = False
     exp_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:  # a new sweep: no older state beside it that a later --resume could restore instead
+        drop_state(exp_dir)
     (exp_dir / SWEEP_INPUTS).write_text(json.dumps(ran_on, sort_keys=True))
     cache = session.feature_cache(index, upstream)  # one copy for every trial
     streamed = session.stream is not None  # then every trial streams the data (or the streamed cache's shards)
@@ -136,15 +145,18 @@ def sweep_stage(
     outside = explain_reference(session.cfg, space, space_file, session.log)
     guard = print_guard()
     watch_interrupts()
+    handlers = signal_handlers()
     try:
         with quiet_preset_warnings(outside):  # Tune generates the trials inside fit()
             grid = tuner.fit()
     finally:  # a sweep that raised leaves no trial block's print guard behind (SweepProgress on a TTY)
         set_print_guard(guard)
+        restore_signal_handlers(handlers)  # Tune leaves its stop handler installed after the sweep
     write_state(exp_dir)  # Ray's final state is synced by now: what a later --resume verifies
     if interrupted():  # Tune returns from fit() on Ctrl-C as if the sweep had ended
-        raise SweepInterruptedError(
-            f"stage {space.stage!r}: the sweep was interrupted (Ctrl-C) after {len(grid)} trial(s) had started; "
+        raise RunInterruptedError(
+            f"stage {space.stage!r}: the sweep was interrupted (Ctrl-C or SIGUSR1) with "
+            f"{sum(1 for r in grid if r.metrics)} of its trials reporting; "
             f"nothing was adopted and {exp_dir} keeps its state\n"
             "    fix: run the same command with --resume to continue it (finished trials are kept)"
         )
@@ -189,7 +201,9 @@ def sweep_inputs(session: StageSession, space: TuneSpace, index: int, upstream: 
     swept stage's base fingerprint inputs (config, upstream, data, seed, version), credentials redacted."""
     parent = upstream.fingerprint if upstream else ""
     stage = fingerprint_inputs(session.cfg, index, parent, session.data_fp)
-    return without_credentials({"space": space.model_dump(mode="json"), "stage": stage})
+    # how many trials run at once changes no trial (and a restore keeps the old value anyway)
+    kept = space.model_dump(mode="json", exclude={"max_concurrent_trials"})
+    return without_credentials({"space": kept, "stage": stage})
 
 
 def sweep_changes(exp_dir: StorageDir, now: dict[str, Any], cfg: PipelineConfig, index: int) -> str | None:
@@ -240,7 +254,7 @@ def best_yaml_text(
         ),
         f"# its config again: cascade-ray run {config_arg} {shlex.join(files)}"
         # a sweep inside a full run: that run folder will hold a finished run, which `run` refuses to train over
-        + (f" name={session.cfg.name}-best" if session.options.stop_after is None else ""),
+        + (f" name={session.cfg.name[:59]}-best" if session.options.stop_after is None else ""),  # names: <= 64
     ]
     return (
         "\n".join(lines)

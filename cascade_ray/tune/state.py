@@ -42,6 +42,16 @@ def _state_files(experiment: StorageDir) -> list[StorageDir]:
     )
 
 
+def drop_state(exp_dir: StorageDir) -> None:
+    """Remove the Tune state a restore would read (``tune/*.pkl|json``) and its sidecar, before a sweep
+    that does not continue it: a new Tuner adds its own state beside an old one, and Ray restores the
+    newest by file name (local time, one-second resolution), so an old state left there could be
+    restored under new values. Trial folders stay (the new trials' ids differ)."""
+    for p in _state_files(exp_dir / "tune"):
+        p.unlink()
+    (exp_dir / STATE_SIDECAR).unlink(missing_ok=True)
+
+
 def state_digest(experiment: StorageDir) -> str:
     """``sha256sum`` lines (``<hex>  <name>``) of the experiment folder's state files, sorted by name."""
     lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in _state_files(experiment)]
@@ -121,9 +131,9 @@ _INTERRUPTED = threading.Event()
 
 
 class InterruptWatch(tune.Callback):
-    """Notes a Ctrl-C during ``Tuner.fit``, so the sweep is not taken as finished.
+    """Notes a Ctrl-C (or SIGUSR1) during ``Tuner.fit``, so the sweep is not taken as finished.
 
-    On SIGINT Ray Tune 2.60 saves the experiment and returns from ``fit`` as if the sweep had
+    On SIGINT or SIGUSR1 Ray Tune 2.60 saves the experiment and returns from ``fit`` as if the sweep had
     ended: the trials it stopped look finished, the trials it never started are missing, and
     nothing in the result grid says so. Tune installs its SIGINT handler before it sets up its
     callbacks; ``setup`` puts a handler in front of Tune's that records the signal and passes it on
@@ -133,16 +143,24 @@ class InterruptWatch(tune.Callback):
     def setup(self, **info: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        tunes = signal.getsignal(signal.SIGINT)
+        # Tune stops the sweep on SIGUSR1 as well (a scheduler's preemption warning, e.g. Slurm --signal)
+        for sig in _stop_signals():
+            signal.signal(sig, _noting(signal.getsignal(sig)))
 
-        def noted(sig: int, frame: Any) -> None:
-            _INTERRUPTED.set()
-            if callable(tunes):
-                tunes(sig, frame)
-            else:  # Tune's handler not installed (TUNE_DISABLE_SIGINT_HANDLER): Python's default
-                raise KeyboardInterrupt
 
-        signal.signal(signal.SIGINT, noted)
+def _noting(tunes: Any) -> Any:
+    """`tunes` (the handler Tune installed) behind one that records the signal first."""
+
+    def noted(sig: int, frame: Any) -> None:
+        if tunes == signal.SIG_IGN:  # ignored before Tune (TUNE_DISABLE_SIGINT_HANDLER in a background job)
+            return
+        _INTERRUPTED.set()
+        if callable(tunes):
+            tunes(sig, frame)
+        elif sig == signal.SIGINT:  # Tune's handler not installed (TUNE_DISABLE_SIGINT_HANDLER): Python's default
+            raise KeyboardInterrupt
+
+    return noted
 
 
 def watch_interrupts() -> None:
@@ -153,3 +171,22 @@ def watch_interrupts() -> None:
 def interrupted() -> bool:
     """Whether Ctrl-C reached the driver since :func:`watch_interrupts`."""
     return _INTERRUPTED.is_set()
+
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    return (signal.SIGINT, *((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ()))
+
+
+def signal_handlers() -> dict[signal.Signals, Any]:
+    """The handlers of the signals Tune stops a sweep on (SIGINT, SIGUSR1); empty outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in _stop_signals()}
+
+
+def restore_signal_handlers(handlers: dict[signal.Signals, Any]) -> None:
+    """Put back :func:`signal_handlers`' handlers: Ray Tune 2.60 leaves its stop handler installed after a
+    sweep, so a later Ctrl-C (the next stage) would only set a finished sweep's flag and be lost."""
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)

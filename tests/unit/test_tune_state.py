@@ -221,3 +221,43 @@ def test_values_that_fail_together_or_with_the_next_stage_are_found_before_any_t
     (issue,) = caught.value.issues
     assert issue.path == "space" and said in issue.message, issue.render()
     assert "take out the values that cannot go together" in issue.fix
+
+
+def test_the_interrupt_watch_records_tunes_stop_signals_and_the_handlers_come_back(tmp_path):
+    """InterruptWatch sits in front of the handlers Tune installed (SIGINT, SIGUSR1): the signal is recorded
+    and still reaches Tune's; the handlers from before the sweep are put back after it."""
+    import os
+    import signal
+
+    from cascade_ray.tune.state import (
+        InterruptWatch,
+        drop_state,
+        interrupted,
+        restore_signal_handlers,
+        signal_handlers,
+        watch_interrupts,
+    )
+
+    before = signal_handlers()
+    seen: list[int] = []
+    try:
+        for sig in (signal.SIGINT, signal.SIGUSR1):  # what Tune's _setup_signal_catching installs
+            signal.signal(sig, lambda s, f: seen.append(s))
+        watch_interrupts()
+        InterruptWatch().setup()
+        assert not interrupted()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert interrupted() and seen == [signal.SIGUSR1]
+    finally:
+        restore_signal_handlers(before)
+    assert signal_handlers() == before
+    watch_interrupts()
+    assert not interrupted()
+    # a sweep that does not continue the stored one removes the state a restore would read, and its sidecar
+    (tmp_path / "tune").mkdir()
+    for name in ("tuner.pkl", "experiment_state-2026.json", STATE_SIDECAR):
+        (tmp_path / ("" if name == STATE_SIDECAR else "tune") / name).write_text("x")
+    (tmp_path / "tune" / "trial-a").mkdir()
+    drop_state(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "tune").iterdir()) == ["trial-a"]
+    assert not (tmp_path / STATE_SIDECAR).exists()
