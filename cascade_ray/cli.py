@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from cascade_ray.errors import CascadeError, ConfigError, ConfigIssue
 from cascade_ray.options import LOG_LEVELS, RunOptions
-from cascade_ray.tools.shipped import SHIPPED, resolve_config
+from cascade_ray.tools.shipped import SHIPPED, resolve_config, resolve_space
 
 if TYPE_CHECKING:
     from cascade_ray.config.schema import PipelineConfig
@@ -227,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(p)
     p = sub.add_parser("tune", help="sweep one stage with Ray Tune on top of the trained (or reused) upstream")
     _add_config_args(p)
-    p.add_argument("--space", required=True, help="search space file, e.g. tune_spaces/encoder.yaml")
+    p.add_argument(
+        "--space",
+        required=True,
+        help="search space file, e.g. tune_spaces/encoder.yaml, or a shipped one: space/encoder",
+    )
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else an embedded Ray)")
     p.add_argument("--resume", action="store_true", help="restore an interrupted sweep of this stage")
     p.add_argument(
@@ -459,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cascade_ray.tune.space import load_space
 
         if args.command == "tune":
+            args.space = resolve_space(args.space)  # a file path wins over a shipped name (space/classifier)
             stage = load_space(args.space, cfg).stage
             options = RunOptions(
                 address=args.address,

@@ -55,7 +55,7 @@ def list_shipped() -> str:
     ]
     lines.append(
         f"(in {PACKAGE_DIR.parent}; `cascade-ray cp NAME DEST` copies one to edit, "
-        "`cascade-ray validate NAME` / `run NAME` use a config by name)"
+        "`cascade-ray validate NAME` / `run NAME` use a config by name, `tune CONFIG --space space/NAME` a space)"
     )
     return "\n".join(lines)
 
@@ -81,6 +81,31 @@ def resolve_config(config: str | Path) -> str:
             )
         ],
         source=str(config),
+    )
+
+
+def resolve_space(space: str | Path) -> str:
+    """The path of a ``--space`` argument: the file itself when it exists (a path always wins), else the
+    shipped space of that name (``space/classifier``, as ``cascade-ray ls`` lists it; ``classifier`` too).
+
+    Raises:
+        ConfigError: no such file and no shipped space of that name (with a did-you-mean).
+    """
+    if Path(space).exists():
+        return str(space)
+    spaces = {name: path for name, (kind, path) in shipped_files().items() if kind == "space"}
+    name = str(space) if str(space).startswith(_SPACE_PREFIX) else f"{_SPACE_PREFIX}{space}"
+    if name in spaces:
+        return str(spaces[name])
+    raise ConfigError(
+        [
+            ConfigIssue(
+                "--space",
+                f"{str(space)!r} does not exist and is not a shipped space{did_you_mean(name, spaces)}",
+                f"give the path of a space file, or one of the shipped names: {', '.join(spaces)} (`cascade-ray ls`)",
+            )
+        ],
+        source=str(space),
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import cascade_ray
 from cascade_ray.cli import main as cli_main
 from cascade_ray.tools.doctor import run_doctor
@@ -77,6 +79,20 @@ def test_a_shipped_name_is_a_config_unless_a_file_of_that_name_exists(tmp_path, 
     assert "'nothing/like/it.yaml' does not exist" in capsys.readouterr().err
     # a search space is not a pipeline config
     assert cli_main(["validate", "space/encoder"]) == 2
+
+
+def test_a_space_is_found_by_its_shipped_name_unless_a_file_of_that_name_exists(tmp_path, monkeypatch):
+    """--space takes the name `cascade-ray ls` prints (space/classifier) or the bare stem; a file path wins."""
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tools.shipped import SHIPPED, resolve_space
+
+    monkeypatch.chdir(tmp_path)
+    shipped = str(SHIPPED["space"] / "classifier.yaml")
+    assert resolve_space("space/classifier") == shipped == resolve_space("classifier")
+    (tmp_path / "classifier").write_text("stage: classifier\n")
+    assert resolve_space("classifier") == "classifier"
+    with pytest.raises(ConfigError, match="'space/clasifier' does not exist and is not a shipped space; did you mean"):
+        resolve_space("space/clasifier")
 
 
 def test_tune_default_is_the_packaged_spaces_folder():
