@@ -78,12 +78,10 @@ def test_two_pipelines_and_a_4_trial_sweep_leave_nothing_behind(ray_session, tmp
     del swept
     final = _snapshot()
     # Ray keeps a per-session actor once the first fit made it (the autoscaling
-    # coordinator) and the last Train controller lingers
-    # with its loop config (and the refs in it) until it is collected: after the first
-    # pipeline, live actors and object-store bytes must not grow. Measured: that loop
-    # config holds the data (0.13 MB), the classifier's upstream weights (0.05 MB) and its
-    # cached features (1437 x 16 x 16 float32, 1.47 MB), each listed twice by the state API
-    # (the driver's reference and the controller's borrowed one): 3.3 MB.
+    # coordinator); a Train controller that lingered with its loop config (the data 0.13 MB, the
+    # classifier's upstream weights 0.05 MB and its cached features 1.47 MB, each listed twice by
+    # the state API: 3.3 MB) was allowed for: after the first pipeline, live actors and
+    # object-store bytes must not grow.
     steady = after[0]
     assert len(steady["actors"]) <= len(baseline["actors"]) + 3, steady
     assert steady["object_bytes"] <= baseline["object_bytes"] + 4 * 1024 * 1024, steady
@@ -93,7 +91,11 @@ def test_two_pipelines_and_a_4_trial_sweep_leave_nothing_behind(ray_session, tmp
         assert snap["placement_groups"] == baseline["placement_groups"], snap
     for snap in after:  # every hand-off, data and feature-cache ref of a finished pipeline is released
         assert snap["object_bytes"] <= steady["object_bytes"] + 64 * 1024, (snap, steady)
-    # Known, not yet explained: after the sweep the driver still holds one classifier feature
-    # cache (1437 x 16 x 16 float32 = 1.47 MB, measured) of an earlier pipeline. Bounded here
-    # so that any further growth fails.
-    assert final["object_bytes"] <= steady["object_bytes"] + 1437 * 16 * 16 * 4 + 64 * 1024, (final, steady)
+    # Since fit_stage puts back the SIGINT handler Ray Train installs (its closure held the last
+    # controller's handle), the last controller no longer lingers: steady is the baseline (0 bytes,
+    # measured). Known, not yet explained: after the sweep the driver still holds the refs its trials
+    # were given (the classifier's feature cache, 1437 x 16 x 16 float32 = 1.47 MB, the data and the
+    # upstream weights: 1,655,546 bytes in 3 objects, measured), most likely through the trainable Tune
+    # registered. Bounded here so that any further growth fails.
+    sweep_refs = 1437 * 16 * 16 * 4 + 256 * 1024
+    assert final["object_bytes"] <= steady["object_bytes"] + sweep_refs + 64 * 1024, (final, steady)
