@@ -166,9 +166,10 @@ class _Result:
         yield str(self.folder)
 
 
-def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
-    """finish (a trained stage) and _reuse (--resume) build records that summary.json accepts."""
-    monkeypatch.setattr(ray, "put", lambda value: "ref")  # no object store needed for the records
+def _first_stage_checkpoint(tmp_path: Path, monkeypatch) -> tuple:
+    """(config, data, checkpoint folder, its metrics) of the debug config's first stage as a fit leaves
+    it; ``ray.put`` faked (no object store needed for the records)."""
+    monkeypatch.setattr(ray, "put", lambda value: "ref")
     cfg = load_config(CONFIGS / "debug.yaml")
     data = load_data(cfg.data, cfg.seed)
     model, _ = build_stage_model(cfg, 0, data, None)
@@ -177,6 +178,12 @@ def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
     save_safetensors(to_numpy_state(model.state_dict()), ckpt / CHECKPOINT_WEIGHTS)
     metrics = {"epoch": 1, "step": 9, "train_loss": 1.5, "val_loss": 1.2, "val_accuracy": 0.6}
     (ckpt / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+    return cfg, data, ckpt, metrics
+
+
+def test_stage_records_the_pipeline_makes_validate(tmp_path, monkeypatch):
+    """finish (a trained stage) and _reuse (--resume) build records that summary.json accepts."""
+    cfg, data, ckpt, metrics = _first_stage_checkpoint(tmp_path, monkeypatch)
     nodes = ["a" * 56, "b" * 56]  # what rank 0 wrote: each rank's node, in rank order
     (ckpt / CHECKPOINT_NODES).write_text(json.dumps(nodes))
     session = StageSession(cfg, tmp_path / "run", "data-ref", "d" * 64, data.input_shape, data.out_width)
@@ -200,15 +207,7 @@ def test_resume_names_what_changed_since_the_stored_artifact(tmp_path, monkeypat
     """A --resume that trains a stage again says why, by config key: the manifest keeps what its
     fingerprint hashed. An artifact written before that field existed still reads, with the
     parent / data told apart and a general reason otherwise."""
-    monkeypatch.setattr(ray, "put", lambda value: "ref")
-    cfg = load_config(CONFIGS / "debug.yaml")
-    data = load_data(cfg.data, cfg.seed)
-    model, _ = build_stage_model(cfg, 0, data, None)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_safetensors(to_numpy_state(model.state_dict()), ckpt / CHECKPOINT_WEIGHTS)
-    metrics = {"epoch": 1, "step": 9, "train_loss": 1.5, "val_loss": 1.2, "val_accuracy": 0.6}
-    (ckpt / CHECKPOINT_STATE).write_text(json.dumps(metrics))
+    cfg, data, ckpt, metrics = _first_stage_checkpoint(tmp_path, monkeypatch)
     session = StageSession(cfg, tmp_path / "run", "data-ref", "d" * 64, data.input_shape, data.out_width)
     fp = stage_fingerprint(cfg, 0, "", "d" * 64)
     session.finish(0, None, _Result(ckpt, [metrics]), fp=fp, run_name="r", started=0.0)
