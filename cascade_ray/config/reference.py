@@ -75,7 +75,9 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], seen: set[str]
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}" if prefix else name
         description = (field.description or "").replace("|", PIPE)
-        kind = _type_name(field.annotation).replace("|", PIPE)
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        # doc_type: what a file may hold where a validator accepts more than the annotation
+        kind = str(extra.get("doc_type") or _type_name(field.annotation)).replace("|", PIPE)
         out.append(f"| `{key}` | {kind} | {_default(field)} | {description} |")
         sub = _model_in(field.annotation)
         if sub is not None:

@@ -55,8 +55,18 @@ class SchedulerSpec(_Strict):
     type: Literal["asha", "fifo"] = Field(
         "asha", description="`asha` stops poor trials early; `fifo` runs all to the end."
     )
-    grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it can be stopped.")
-    max_t: int | None = Field(None, ge=1, description="ASHA: most epochs a trial runs; default the stage's epochs.")
+    grace_period: int = Field(
+        1,
+        ge=1,
+        description="ASHA: epochs every trial runs before it can be stopped; below the epochs a trial trains "
+        "(else ASHA could stop nothing, an error).",
+    )
+    max_t: int | None = Field(
+        None,
+        ge=1,
+        description="ASHA: most epochs a trial runs; default the most epochs a trial trains (the stage's "
+        "`train.epochs`, or the largest sampled one). Below them is an error: trials would be cut short.",
+    )
     reduction_factor: float = Field(2.0, gt=1.0, description="ASHA: keep 1/reduction_factor of trials per rung.")
 
 
@@ -69,6 +79,7 @@ class TuneSpace(_Strict):
         "max",
         description="Maximize or minimize the metric. `mode: batched` is short for `batched: true` with the "
         "metric's own direction (max for accuracies, min for losses and errors).",
+        json_schema_extra={"doc_type": "`max` | `min` | `batched`"},
     )
     num_samples: int = Field(4, ge=1, description="Trials to sample (per grid point when a grid is used).")
     max_concurrent_trials: int | None = Field(
@@ -186,6 +197,7 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
                 "sample train.epochs from values >= 1",
             )
         )
+    issues += _scheduler_issues(space, cfg.stages[names.index(space.stage)].train.epochs)
     reported = metrics_reported(cfg, space.stage)
     if space.metric not in reported:
         issues.append(
@@ -231,6 +243,58 @@ def space_issues(space: TuneSpace, cfg: PipelineConfig) -> list[ConfigIssue]:
     if not issues:
         issues += _combination_issues(cfg, space)
     return _unique(issues)
+
+
+def trial_epochs(space: TuneSpace, stage_epochs: int) -> tuple[int, int]:
+    """The fewest and the most epochs a trial trains: the stage's ``train.epochs``, or the bounds of a
+    sampled ``train.epochs`` (a malformed one counts as not sampled; it is reported at its own key)."""
+    dist = space.space.get("train.epochs")
+    sampled = [] if dist is None or _distribution_issues("", dist) else _probe_values(dist)
+    values = [v for v in sampled if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
+    return (min(values), max(values)) if values else (stage_epochs, stage_epochs)
+
+
+def asha_max_t(space: TuneSpace, stage_epochs: int) -> int:
+    """ASHA's ``max_t``: the space's, or the most epochs a trial trains (so no trial is cut short)."""
+    return space.scheduler.max_t or trial_epochs(space, stage_epochs)[1]
+
+
+def _scheduler_issues(space: TuneSpace, stage_epochs: int) -> list[ConfigIssue]:
+    """ASHA settings the stage's epochs make wrong: a ``max_t`` that would stop every trial before its
+    ``train.epochs`` (the adopted stage would have trained fewer epochs than its config says), and a
+    ``grace_period`` that leaves ASHA nothing to stop (at or past a trial's last epoch; past ``max_t``
+    Ray's scheduler failed an assert after Ray started)."""
+    if space.scheduler.type != "asha" or stage_epochs < 1:
+        return []
+    most = trial_epochs(space, stage_epochs)[1]
+    max_t, grace = asha_max_t(space, stage_epochs), space.scheduler.grace_period
+    if max_t < most:
+        sampled = "train.epochs" in space.space
+        return [
+            ConfigIssue(
+                "scheduler.max_t",
+                f"trials would stop at epoch {max_t}, before the {most} epochs "
+                f"{'a trial samples (space.train.epochs)' if sampled else 'the stage trains (train.epochs)'}: "
+                "the adopted stage would have trained fewer epochs than its config says",
+                "drop max_t (it defaults to the most epochs a trial trains), or "
+                + (
+                    f"sample space.train.epochs up to {max_t}"
+                    if sampled
+                    else f"set stages.{space.stage}.train.epochs={max_t}"
+                ),
+            )
+        ]
+    if grace >= most:
+        return [
+            ConfigIssue(
+                "scheduler.grace_period",
+                f"grace_period {grace} is not below the last epoch a trial trains ({most}), so ASHA can stop "
+                "no trial early",
+                f"set grace_period below {most} (e.g. 1), or use scheduler: {{type: fifo}}, which runs every "
+                "trial to the end",
+            )
+        ]
+    return []
 
 
 # combinations of the space's values validated together before any trial (each ~1-30 ms)

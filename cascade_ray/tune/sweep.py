@@ -34,7 +34,7 @@ from cascade_ray.ray_compat import uncount_asha_stop, wait_for_tune_reports_take
 from cascade_ray.storage import StorageDir, as_storage, full_uri
 from cascade_ray.tracking import TrackingContext
 from cascade_ray.tune.progress import SweepProgress
-from cascade_ray.tune.space import TuneSpace, current_values, set_stage_value
+from cascade_ray.tune.space import TuneSpace, asha_max_t, current_values, set_stage_value
 from cascade_ray.tune.state import InterruptWatch, StateDigestCallback, verify_state
 
 TRIAL_DRIVER_RESOURCES = {"memory": 1}  # bytes: schedulable anywhere, holds no CPU
@@ -341,7 +341,7 @@ def build_tuner(
         scheduler = baseline_asha(
             current,
             time_attr="epoch",
-            max_t=space.scheduler.max_t or stage.train.epochs,
+            max_t=asha_max_t(space, stage.train.epochs),
             grace_period=space.scheduler.grace_period,
             reduction_factor=space.scheduler.reduction_factor,
         )

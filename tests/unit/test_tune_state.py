@@ -223,6 +223,75 @@ def test_values_that_fail_together_or_with_the_next_stage_are_found_before_any_t
     assert "take out the values that cannot go together" in issue.fix
 
 
+@pytest.mark.parametrize(
+    ("stage", "entries", "path", "said", "fix"),
+    [
+        # features trains 2 epochs in debug.yaml: Ray's ASHA asserted "grace_period must be <= max_t!" after Ray started
+        (
+            "features",
+            "scheduler: {grace_period: 4}\n",
+            "scheduler.grace_period",
+            "ASHA can stop no trial early",
+            "fifo",
+        ),
+        (
+            "classifier",
+            "scheduler: {grace_period: 2}\n",
+            "scheduler.grace_period",
+            "not below the last epoch",
+            "below 2",
+        ),
+        (
+            "classifier",
+            "scheduler: {max_t: 1}\n",
+            "scheduler.max_t",
+            "stop at epoch 1, before the 2 epochs",
+            "epochs=1",
+        ),
+        (
+            "classifier",
+            "scheduler: {max_t: 3}\n",
+            "scheduler.max_t",
+            "before the 5 epochs a trial samples",
+            "sample space.train.epochs up to 3",
+        ),
+    ],
+)
+def test_asha_settings_the_stages_epochs_make_useless_or_truncating_are_refused(
+    tmp_path, stage, entries, path, said, fix
+):
+    """A grace_period at or past a trial's last epoch stops nothing (or, past max_t, failed Ray's assert after
+    Ray started); a max_t below the epochs cut every trial short and adopted a stage trained fewer epochs than
+    its config said."""
+    from paths import CONFIGS
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.errors import ConfigError
+    from cascade_ray.tune.space import load_space
+
+    sampled = "  train.epochs: {choice: [2, 5]}\n" if "samples" in said else ""
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text(f"stage: {stage}\n{entries}space:\n  solver.lr: {{loguniform: [1.0e-3, 1.0e-2]}}\n{sampled}")
+    with pytest.raises(ConfigError) as caught:
+        load_space(space_file, load_config(CONFIGS / "debug.yaml"))
+    (issue,) = caught.value.issues
+    assert issue.path == path and said in issue.message and fix in issue.fix, issue.render()
+
+
+def test_asha_runs_sampled_epochs_to_their_end_and_a_grace_below_them_is_fine(tmp_path):
+    """max_t defaults to the most epochs a trial samples (it was the stage's own epochs, so a trial sampled
+    with more was stopped at the stage's count)."""
+    from paths import CONFIGS
+
+    from cascade_ray.checks import load_config
+    from cascade_ray.tune.space import asha_max_t, load_space
+
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text("stage: classifier\nspace:\n  train.epochs: {randint: [2, 6]}\n")
+    space = load_space(space_file, load_config(CONFIGS / "debug.yaml"))
+    assert space.scheduler.type == "asha" and asha_max_t(space, 2) == 5
+
+
 def test_the_interrupt_watch_records_tunes_stop_signals_and_the_handlers_come_back(tmp_path):
     """InterruptWatch sits in front of the handlers Tune installed (SIGINT, SIGUSR1): the signal is recorded
     and still reaches Tune's; the handlers from before the sweep are put back after it."""
