@@ -148,7 +148,7 @@ def input_changes(old: Mapping[str, Any], now: Mapping[str, Any], *, stage: str,
         return "; ".join(why) or "the config, the seed or the package version changed (the artifact records no more)"
     before = flatten({"stage": old["stage"]})
     after = flatten({"stage": now["stage"]})
-    keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k, _UNSET) != after.get(k, _UNSET)]
+    keys = changed_keys(before, after)
     named = [
         f"stages.{stage}.{k[len('stage.') :]}: {_shown(before.get(k, _UNSET))} -> {_shown(after.get(k, _UNSET))}"
         for k in keys
@@ -167,6 +167,11 @@ def input_changes(old: Mapping[str, Any], now: Mapping[str, Any], *, stage: str,
 
 
 _UNSET = object()
+
+
+def changed_keys(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """The keys of two flat mappings whose values differ (one side missing counts), in first-seen order."""
+    return [k for k in dict.fromkeys([*before, *after]) if before.get(k, _UNSET) != after.get(k, _UNSET)]
 
 
 def _shown(value: Any) -> str:

@@ -33,6 +33,7 @@ from cascade_ray.pipeline.stages import (
     Handoff,
     StageOutcome,
     StageSession,
+    changed_keys,
     fingerprint_inputs,
     input_changes,
     stage_fingerprint,
@@ -224,8 +225,7 @@ def sweep_changes(exp_dir: StorageDir, now: dict[str, Any], cfg: PipelineConfig,
         parent = cfg.stages[index - 1].name if index > 0 else None
         why.append(input_changes(old.get("stage") or {}, now["stage"], stage=stage, parent=parent))
     if old.get("space") != now["space"]:
-        before, after = flatten(old.get("space") or {}), flatten(now["space"])
-        keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k) != after.get(k)]
+        keys = changed_keys(flatten(old.get("space") or {}), flatten(now["space"]))
         why.append(
             "the space file changed: " + ", ".join(keys[:CHANGES_SHOWN]) + (" ..." if len(keys) > CHANGES_SHOWN else "")
         )
