@@ -146,8 +146,9 @@ class HealthError(CascadeError):
 
 
 class StageFailedError(CascadeError):
-    """A stage's workers failed outside the training code: a worker process died (killed by a signal,
-    usually the out-of-memory killer) or the storage is full. Earlier stages' artifacts stay.
+    """A stage's workers failed: a worker process died (killed by a signal, usually the out-of-memory
+    killer), the storage is full or unreachable, or the training code raised (the exception and the frame
+    it came from). Earlier stages' artifacts stay.
 
     Attributes:
         stage: the stage's name.

@@ -25,7 +25,7 @@ from cascade_ray.errors import CascadeError, ResourceError, RunInterruptedError
 from cascade_ray.logs import train_logging_config
 from cascade_ray.models.plan import known_plans
 from cascade_ray.options import RunOptions
-from cascade_ray.pipeline.failures import stage_failure
+from cascade_ray.pipeline.failures import stage_failure, training_error
 from cascade_ray.pipeline.no_retry import NoRetry
 from cascade_ray.pipeline.trainer import StageTrainer
 from cascade_ray.ray_compat import autoscaler_node_groups, autoscaling_status, read_run_result, unreadable_run_errors
@@ -432,7 +432,12 @@ def fit_stage(
         ) from None
     except ray.train.WorkerGroupError as exc:
         failures = exc.worker_failures.values()
-        raise _cascade_cause(exc) or stage_failure(failures, stage.name, index, str(ray_dir)) or exc from None
+        raise (
+            _cascade_cause(exc)
+            or stage_failure(failures, stage.name, index, str(ray_dir))
+            or training_error(exc, stage.name, index)
+            or exc
+        ) from None
     except ray.train.ControllerError as exc:  # NoRetry ended the fit with a worker's error
         if isinstance(exc.controller_failure, CascadeError):
             raise exc.controller_failure from None

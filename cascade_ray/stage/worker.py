@@ -31,6 +31,7 @@ from cascade_ray.models.weights import load_safetensors, save_safetensors, state
 from cascade_ray.stage.hooks import LoopHooks, chain_hooks
 from cascade_ray.stage.loop import run_stage
 from cascade_ray.stage.observe import observer_hooks
+from cascade_ray.stage.raised import mark_raised_at
 from cascade_ray.stage.resume import TRAINER_STATE
 from cascade_ray.stage.startup import StartupClock
 
@@ -284,6 +285,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             upstream_digests=known,
         )
         failed = False
+    except Exception as exc:
+        if not isinstance(exc, CascadeError):  # the training code's own error: say where it came from
+            mark_raised_at(exc)
+        raise
     finally:
         finish_observing(failed)
     return dataclasses.asdict(outcome) | {"startup": clock.record()} if reporter.rank == 0 else None

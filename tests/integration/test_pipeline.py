@@ -148,6 +148,33 @@ def test_an_error_a_restart_would_repeat_ends_the_stage_without_using_its_restar
     assert len(workers) == 1, workers
 
 
+def test_an_exception_in_a_users_module_ends_as_a_stage_error_naming_its_line(ray_session, tmp_path):
+    """A plain exception raised by the training code (here a user module's forward) ended the run with Ray's
+    WorkerGroupError: a truncated traceback, no stage, and the same in summary.json. It is now a
+    StageFailedError: the stage, the exception's last line and the user's frame."""
+    from cascade_ray.errors import StageFailedError
+
+    cfg = load_config(
+        CONFIGS / "debug.yaml",
+        [
+            f"storage_path={tmp_path}",
+            "trusted_modules=[user_models]",
+            "stages[1].model={type: 'user_models:raises_in_training', in_channels: 16, width: 16}",
+            "stages[1].scaling.num_workers=1",
+            "stages[0].train.epochs=1",
+        ],
+    )
+    with pytest.raises(StageFailedError) as failed:
+        run_pipeline(cfg, log=lambda _: None)
+    said = str(failed.value)
+    assert said.startswith("stage 'encoder': the training raised ValueError: user module bug: cannot take a batch")
+    assert "user_models.py:" in said and "in forward)" in said and "Traceback" not in said, said
+    assert "rerun with --resume" in failed.value.fix
+    summary = read_summary(tmp_path / "debug" / "summary.json")
+    assert summary.stages[1].status == "failed" and "user module bug" in summary.stages[1].error
+    assert read_artifact(tmp_path / "debug" / "stages" / "features")[1]  # the finished stage stays
+
+
 def test_a_crash_in_stage_3_leaves_the_done_stages_outputs_and_resume_finishes_it(ray_session, tmp_path, capsys):
     """Stage 3 fails in its worker (an upstream module that drifts when it runs, on un-cached inputs):
     stages 1-2's metrics and a failed summary stay; report (and --html) work on it; --resume finishes it."""

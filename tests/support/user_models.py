@@ -135,3 +135,22 @@ class _Counted(nn.Module):
 def counted(in_channels: int = 16, width: int = 16, log: str = os.devnull) -> nn.Module:
     """A stage module on (B, C, H, W) maps whose every build is listed in `log` (one pid per line)."""
     return _Counted(in_channels, width, log)
+
+
+class _RaisesInTraining(nn.Module):
+    """A 1x1 convolution whose forward raises a plain ValueError once it trains (a bug in a user's module)."""
+
+    def __init__(self, in_channels: int, width: int):
+        super().__init__()
+        self.in_width = in_channels
+        self.proj = nn.Conv2d(in_channels, width, 1)
+
+    def forward(self, x):
+        if self.training and x.device.type != "meta":  # the shape check (on meta) passes
+            raise ValueError(f"user module bug: cannot take a batch of {x.shape[0]}")
+        return self.proj(x)
+
+
+def raises_in_training(in_channels: int = 16, width: int = 16) -> nn.Module:
+    """A stage module on (B, C, H, W) maps that plans and validates, then raises in its first training step."""
+    return _RaisesInTraining(in_channels, width)

@@ -6,6 +6,7 @@ import errno
 import pickle
 
 import ray.exceptions
+import ray.train
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
 from cascade_ray.errors import StageFailedError
@@ -83,3 +84,53 @@ def test_an_error_whose_cause_attribute_is_text_is_summarised_not_crashed_on():
             self.cause = text
 
     assert error_message(Aborted("reset failed")) == "Aborted: reset failed"
+
+
+def _worker_group_error(fn):
+    """The WorkerGroupError Ray Train 2.60 ends a fit with when the train function raised: the worker's
+    exception in ``worker_failures`` (no traceback), its traceback text in the message."""
+    import traceback
+
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the failure under test
+        text = f"[Rank 0 Error Snippet]:\n{traceback.format_exc()}"
+        return ray.train.WorkerGroupError(text, {0: exc.with_traceback(None)})
+    raise AssertionError("fn did not raise")
+
+
+def _user_module_step():
+    import torch
+    from torch import nn
+
+    nn.BatchNorm1d(4).train()(torch.zeros(1, 4))  # the user's line: a training batch of one row
+
+
+def test_an_exception_in_the_training_code_names_its_first_line_the_users_frame_and_a_known_fix():
+    from cascade_ray.pipeline.failures import training_error
+
+    error = training_error(_worker_group_error(_user_module_step), "classifier", 2)
+    assert isinstance(error, StageFailedError)
+    text = str(error)
+    assert text.startswith("stage 'classifier': the training raised ValueError: Expected more than 1 value per channel")
+    assert "test_failures.py:" in text and "in _user_module_step)" in text, text  # not torch's frame
+    assert "stages[2].train.batch_size" in error.fix and "BatchNorm" in error.fix and "--resume" in error.fix
+    assert str(pickle.loads(pickle.dumps(error))) == text
+    died = WorkerHealthCheckFailedError("Worker health check failed", ray.exceptions.ActorDiedError())
+    assert training_error(ray.train.WorkerGroupError("x", {0: died}), "classifier", 2) is None  # Ray's error stays
+
+
+def test_the_workers_note_names_the_users_frame_even_when_rays_text_lost_it():
+    """Ray's error text cuts a long traceback's middle, where the user's frame usually is; the worker's note
+    (added in train_loop_per_worker, kept through pickling) still names it."""
+    from cascade_ray.pipeline.failures import training_error
+    from cascade_ray.stage.raised import mark_raised_at
+
+    try:
+        _user_module_step()
+    except ValueError as exc:
+        mark_raised_at(exc)
+        raised = pickle.loads(pickle.dumps(exc))  # as it crosses from the worker
+    cut = "[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n... (Output truncated) ...\nValueError: x"
+    text = str(training_error(ray.train.WorkerGroupError(cut, {0: raised}), "classifier", 2))
+    assert "test_failures.py:" in text and "in _user_module_step)" in text, text
