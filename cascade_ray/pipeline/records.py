@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import textwrap
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -248,7 +249,7 @@ class RunSummary(_Record):
             return "finished"
         at = next((s.name for s in self.stages if isinstance(s, StageState) and s.status != "pending"), None)
         where = "" if at is None else (f" in stage {at!r}" if self.status == "failed" else f" stage {at!r}")
-        first = (self.error or "").splitlines()[0][:200] if self.error else ""
+        first = textwrap.shorten(self.error.splitlines()[0], 200, placeholder=" ...") if self.error else ""
         return f"{self.status}{where}" + (f" ({first})" if first else "")
 
 

@@ -35,7 +35,7 @@ from cascade_ray.pipeline.artifacts import MANIFEST
 from cascade_ray.pipeline.records import read_manifest
 from cascade_ray.storage import StorageDir, staged_dir
 from cascade_ray.tools.export_parity import ParityInputs, headline_score, int8_figures, max_abs_diff, parity_inputs
-from cascade_ray.tools.inference import Cascade, load_cascade, run_summary
+from cascade_ray.tools.inference import Cascade, load_cascade
 
 EXPORT_DIR = "export"
 FORMATS = {"pt2": "model.pt2", "onnx": "model.onnx", "torchscript": "model.ts"}
@@ -200,7 +200,7 @@ def export_run(
         raise CascadeError(f"unknown export format {fmt!r} (valid: {', '.join(FORMATS)})")
     cascade = load_cascade(location, stage, trust=trust, trust_run=trust_run)
     folder = cascade.run / EXPORT_DIR
-    if cascade.stage != run_summary(cascade.run).stages[-1].name:
+    if cascade.stage != cascade.cfg.stages[-1].name:  # an unfinished run's done stage exports too
         folder = folder / cascade.stage
     inputs = parity_inputs(cascade)
     with staged_dir(folder) as out:

@@ -203,6 +203,11 @@ def test_a_crash_in_stage_3_leaves_the_done_stages_outputs_and_resume_finishes_i
         run_summary(run)
     encoder = load_cascade(run / "stages" / "encoder")  # a done stage loads from the partial run
     assert encoder.stage == "encoder"
+    # ... and exports, as run_summary's error says (export asked for the summary and refused)
+    from cascade_ray.tools.export import export_run
+
+    exported = export_run(run / "stages" / "encoder")
+    assert exported["stage"] == "encoder" and (run / "export" / "encoder" / "pt2.json").is_file()
     capsys.readouterr()  # the run's own progress lines
     assert cli_main(["report", str(run), "--html"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(run / "report" / "report.html")
