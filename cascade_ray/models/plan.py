@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -341,8 +342,6 @@ def _plan_stage(
     try:
         adapter = build_adapter(stage.adapter, in_shape, adapter_width)
         out = module(adapter(x) if adapter is not None else x)
-        out_shape = tuple(out.shape[1:])
-        logits = build_head(stage.head, out_shape, num_classes)(out)
     except Exception as exc:  # noqa: BLE001 - user modules fail in their own words: report them with the shapes
         return (
             _fail(stage, in_shape),
@@ -353,18 +352,59 @@ def _plan_stage(
             ),
             None,
         )
-    if tuple(logits.shape) != (_PREFLIGHT_BATCH, num_classes):
+    issue = _output_issue(stage, path, out)
+    if issue is not None:
+        return _fail(stage, in_shape), issue, None
+    out_shape = tuple(out.shape[1:])
+    try:
+        logits = build_head(stage.head, out_shape, num_classes)(out)
+    except Exception as exc:  # noqa: BLE001 - the head's own error on an output it cannot reduce
+        logits, head_error = None, exc
+    if logits is None or tuple(logits.shape) != (_PREFLIGHT_BATCH, num_classes):
+        got = f"fails ({head_error})" if logits is None else f"outputs {_fmt(tuple(logits.shape[1:]))}"
+        said = f"stage {stage.name!r}: the head on the module's output {_fmt(out_shape)} {got}, not ({num_classes},)"
+        if stage.head.type == "none":
+            return (
+                _fail(stage, in_shape),
+                ConfigIssue(
+                    f"{path}.head.type",
+                    f"{said}: with head.type none the module must output one value per class / regression value",
+                    f"use {path}.head.type: linear",
+                ),
+                None,
+            )
         return (
             _fail(stage, in_shape),
             ConfigIssue(
-                f"{path}.head.type",
-                f"stage {stage.name!r}: head output shape {_fmt(tuple(logits.shape[1:]))} is not ({num_classes},), "
-                "one output per class / regression value",
-                "use head.type: linear",
+                f"{path}.head.pool",
+                f"{said}: head.pool {stage.head.pool} reduces (B, D), (B, T, D) and (B, C, H, W) outputs only",
+                f"set {path}.head.pool: flatten (any shape), or make the module output (B, D), (B, T, D) or "
+                "(B, C, H, W)",
             ),
             None,
         )
     return StagePlan(stage.name, in_shape, out_shape, adapter_width), None, module
+
+
+def _output_issue(stage: StageConfig, path: str, out: Any) -> ConfigIssue | None:
+    """What is wrong with a stage module's output as the next stage and the head take it: one tensor of
+    shape (B, features...); None when it is one."""
+    if not isinstance(out, torch.Tensor):
+        return ConfigIssue(
+            f"{path}.model",
+            f"stage {stage.name!r} ({stage.model.type}) returns a {type(out).__name__}, not a tensor: the stage's "
+            "head and the next stage take one tensor of shape (B, ...)",
+            "make the module's forward return one tensor (e.g. the features element of a tuple)",
+        )
+    if out.dim() < 2:
+        return ConfigIssue(
+            f"{path}.model",
+            f"stage {stage.name!r} ({stage.model.type}) returns "
+            + ("shape (B,): one number per sample" if out.dim() == 1 else "one number for the whole batch")
+            + ", with no feature dimension",
+            "make the module's forward return (B, D), (B, T, D) or (B, C, H, W) (e.g. x.unsqueeze(1) for one feature)",
+        )
+    return None
 
 
 def _fail(stage: StageConfig, in_shape: tuple[int, ...]) -> StagePlan:

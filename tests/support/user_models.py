@@ -154,3 +154,23 @@ class _RaisesInTraining(nn.Module):
 def raises_in_training(in_channels: int = 16, width: int = 16) -> nn.Module:
     """A stage module on (B, C, H, W) maps that plans and validates, then raises in its first training step."""
     return _RaisesInTraining(in_channels, width)
+
+
+class _ShapedOutput(nn.Module):
+    """A 1x1 convolution whose output is made wrong on purpose: a tuple, (B,) or a 5-D tensor."""
+
+    def __init__(self, in_channels: int, width: int, kind: str):
+        super().__init__()
+        self.in_width, self.kind = in_channels, kind
+        self.proj = nn.Conv2d(in_channels, width, 1)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if self.kind == "tuple":
+            return y, y.mean()
+        return y.mean(dim=(1, 2, 3)) if self.kind == "scalar" else y.unsqueeze(1)
+
+
+def shaped_output(in_channels: int = 1, width: int = 8, kind: str = "tuple") -> nn.Module:
+    """A first-stage module on (B, C, H, W) whose output is of the wrong kind (`kind`: tuple | scalar | 5d)."""
+    return _ShapedOutput(in_channels, width, kind)

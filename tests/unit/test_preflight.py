@@ -47,6 +47,26 @@ def test_user_module_that_cannot_take_the_input_is_reported(debug_raw):
     assert issue.path == "stages[0].model" and "(B, 1, 8, 8)" in issue.message
 
 
+@pytest.mark.parametrize(
+    ("kind", "path", "said", "fix"),
+    [
+        ("tuple", "stages[0].model", "returns a tuple, not a tensor", "return one tensor"),
+        ("scalar", "stages[0].model", "returns shape (B,): one number per sample", "x.unsqueeze(1)"),
+        ("5d", "stages[0].head.pool", "the head on the module's output (B, 1, 8, 8, 8)", "head.pool: flatten"),
+    ],
+)
+def test_a_module_output_the_head_cannot_take_is_blamed_on_the_output_not_the_input(debug_raw, kind, path, said, fix):
+    """These read "fails on input shape (B, 1, 8, 8) ... tuple index out of range", with the fix "make the
+    module accept (B, 1, 8, 8)"; a 5-D output's fix was "use head.type: linear", the type it had."""
+    debug_raw["trusted_modules"] = ["user_models"]
+    debug_raw["stages"][0]["model"] = {"type": "user_models:shaped_output", "kind": kind}
+    with pytest.raises(ConfigError) as info:
+        validate_config(debug_raw)
+    (issue,) = info.value.issues
+    assert issue.path == path and said in issue.message and fix in issue.fix, issue.render()
+    assert "input shape" not in issue.message
+
+
 def test_pretrained_keys_must_match_the_module(debug_raw, tmp_path):
     kwargs = {k: v for k, v in debug_raw["stages"][0]["model"].items() if k != "type"}
     module = build_module("resnet", kwargs)
