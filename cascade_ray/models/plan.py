@@ -341,7 +341,18 @@ def _plan_stage(
     x = torch.empty((_PREFLIGHT_BATCH, *in_shape))
     try:
         adapter = build_adapter(stage.adapter, in_shape, adapter_width)
-        out = module(adapter(x) if adapter is not None else x)
+        try:
+            out = module(adapter(x) if adapter is not None else x)
+        except Exception as exc:  # retried on the CPU when meta was the cause
+            if not _needs_values(exc):
+                raise
+            # data-dependent control flow (`if y.mean() > 0:`) needs values: one real batch of zeros on the CPU
+            with torch.device("cpu"):
+                module = build_module(stage.model.type, stage.model.kwargs(), trusted)
+                adapter = build_adapter(stage.adapter, in_shape, adapter_width)
+                x = torch.zeros((_PREFLIGHT_BATCH, *in_shape))
+                with torch.no_grad():
+                    out = module(adapter(x) if adapter is not None else x)
     except Exception as exc:  # noqa: BLE001 - user modules fail in their own words: report them with the shapes
         return (
             _fail(stage, in_shape),
@@ -357,7 +368,8 @@ def _plan_stage(
         return _fail(stage, in_shape), issue, None
     out_shape = tuple(out.shape[1:])
     try:
-        logits = build_head(stage.head, out_shape, num_classes)(out)
+        with torch.device(out.device):  # meta, or the CPU after a module that needed values
+            logits = build_head(stage.head, out_shape, num_classes)(out)
     except Exception as exc:  # noqa: BLE001 - the head's own error on an output it cannot reduce
         logits, head_error = None, exc
     if logits is None or tuple(logits.shape) != (_PREFLIGHT_BATCH, num_classes):
@@ -384,6 +396,15 @@ def _plan_stage(
             None,
         )
     return StagePlan(stage.name, in_shape, out_shape, adapter_width), None, module
+
+
+# what torch says when a module needs the values of a meta tensor (Tensor.item(), bool(), .tolist(), ...)
+_META_VALUES = ("meta tensor", "on meta", "meta device")
+
+
+def _needs_values(exc: Exception) -> bool:
+    """`exc` came from running a module on the meta device, which has shapes but no values."""
+    return any(said in str(exc) for said in _META_VALUES)
 
 
 def _output_issue(stage: StageConfig, path: str, out: Any) -> ConfigIssue | None:

@@ -174,3 +174,21 @@ class _ShapedOutput(nn.Module):
 def shaped_output(in_channels: int = 1, width: int = 8, kind: str = "tuple") -> nn.Module:
     """A first-stage module on (B, C, H, W) whose output is of the wrong kind (`kind`: tuple | scalar | 5d)."""
     return _ShapedOutput(in_channels, width, kind)
+
+
+class _Gated(nn.Module):
+    """A 1x1 convolution with data-dependent control flow: ordinary PyTorch that meta tensors cannot run."""
+
+    def __init__(self, in_channels: int, width: int):
+        super().__init__()
+        self.in_width = in_channels
+        self.proj = nn.Conv2d(in_channels, width, 1)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y if y.mean() > 0 else -y  # bool() of a tensor needs its value
+
+
+def gated(in_channels: int = 1, width: int = 8) -> nn.Module:
+    """A first-stage module on (B, C, H, W) whose forward branches on its activations' values."""
+    return _Gated(in_channels, width)

@@ -67,6 +67,18 @@ def test_a_module_output_the_head_cannot_take_is_blamed_on_the_output_not_the_in
     assert "input shape" not in issue.message
 
 
+def test_a_module_that_branches_on_values_is_checked_on_one_real_batch(debug_raw):
+    """Meta tensors have no values: `if y.mean() > 0` failed the check with "Tensor.item() cannot be called on
+    meta tensors" and the fix "make the module accept (B, 1, 8, 8)", so such a module could never train."""
+    debug_raw["trusted_modules"] = ["user_models"]
+    debug_raw["stages"][0]["model"] = {"type": "user_models:gated", "width": 16}
+    plans, issues = plan_chain(validate_config(debug_raw), (1, 8, 8), num_classes=10)
+    assert not issues and plans[0].out_shape == (16, 8, 8)
+    debug_raw["stages"][0]["model"]["width"] = 8  # its output shape, found on the CPU, still checks the next stage
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.model\.in_channels: .*\(B, 8, 8, 8\)"):
+        validate_config(debug_raw)
+
+
 def test_pretrained_keys_must_match_the_module(debug_raw, tmp_path):
     kwargs = {k: v for k, v in debug_raw["stages"][0]["model"].items() if k != "type"}
     module = build_module("resnet", kwargs)
