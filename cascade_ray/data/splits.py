@@ -278,6 +278,22 @@ def _target_problems(name: str, y: np.ndarray, kind: str, width: int) -> list[st
     return []
 
 
+def _absent_fix(absent: list[int], counts: np.ndarray) -> str:
+    """Why classes of [0, num_classes) have no training sample, from where they are: past the largest label
+    (num_classes too high), below the smallest (labels not 0-based), or between (too few rows)."""
+    present = np.flatnonzero(counts).tolist()
+    if len(present) == 1:
+        return f"every training label is {present[0]}: a classifier needs samples of at least 2 classes"
+    if present and absent == list(range(present[-1] + 1, len(counts))):
+        return (
+            f"the labels go up to {present[-1]}: set data.target.num_classes: {present[-1] + 1} "
+            "(or leave it out to take it from the labels)"
+        )
+    if present and absent == list(range(present[0])):
+        return f"the labels start at {present[0]}, but classes count from 0: shift the labels down by {present[0]}"
+    return "the training split holds none of them: raise data.train_size (when set), or use data with every class"
+
+
 def _split_problems(name: str, x: np.ndarray, y: np.ndarray, kind: str, width: int) -> list[str]:
     problems = []
     if x.ndim not in (2, 3, 4):
@@ -324,7 +340,7 @@ def validate_splits(splits: DataSplits) -> None:
         counts = np.bincount(y[y < s.num_classes], minlength=s.num_classes)
         absent = np.flatnonzero(counts == 0).tolist()
         if absent:
-            problems.append(f"train: class(es) {absent} have no sample; raise data.train_size")
+            problems.append(f"train: class(es) {absent} have no sample; {_absent_fix(absent, counts)}")
     mean, std = np.asarray(s.mean), np.asarray(s.std)
     if not (np.isfinite(mean).all() and np.isfinite(std).all() and (std > 0).all()):
         problems.append(

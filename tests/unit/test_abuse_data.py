@@ -240,7 +240,15 @@ DATA_CASES = [
         _train(lambda p: _table(p, {"image": _inputs(), "label": pa.array([0, 1] * 9 + [1, None])})),
         "null target",
     ),
-    DataCase("one-class-only", _train(lambda p: write_parquet(p, _x(), _y() * 0)), "class(es) [1] have no sample"),
+    DataCase("one-class-only", _train(lambda p: write_parquet(p, _x(), _y() * 0)), "every training label is 0"),
+    DataCase(
+        "one-based-labels", _train(lambda p: write_parquet(p, _x(), _y() + 1)), "the labels start at 1, but classes"
+    ),
+    DataCase(
+        "num-classes-past-the-labels",
+        _train(lambda p: write_parquet(p, _x(), _y()), num_classes=5),
+        "set data.target.num_classes: 2",
+    ),
     DataCase(
         "missing-label-column", _train(lambda p: _table(p, {"image": _inputs(), "y": pa.array(_y())})), "not found"
     ),
