@@ -24,6 +24,7 @@ import urllib.parse
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cascade_ray.config.schema import PipelineConfig
@@ -33,15 +34,107 @@ from cascade_ray.storage import STORAGE_ACCESS_FIX, StorageDir, UriPath, as_stor
 from cascade_ray.text import short_repr
 
 PROBE_PREFIX = ".cascade-probe-"
+_LISTS = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
 
 
 def reach_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
     """Every storage or data location of `cfg` this process cannot use, as issues."""
     issues = _storage_issues(cfg) + logger_issues(cfg)
     if cfg.data.source == "parquet":
+        widths: dict[str, int] = {}
         for key, spec in (("data.path", cfg.data.path), ("data.test_path", cfg.data.test_path)):
             if spec is not None:
-                issues += _data_issues(key, spec)
+                found, schema = _data_issues(key, spec)
+                where = f"{key} {short_repr(redact(spec))}"
+                issues += found or (_schema_issues(where, schema, cfg) if schema is not None else [])
+                width = _list_size(schema, cfg.data.inputs.column) if schema is not None and not found else None
+                if width is not None:
+                    widths[key] = width
+        if len(set(widths.values())) > 1:
+            issues.append(
+                ConfigIssue(
+                    "data.test_path",
+                    f"its inputs hold {widths['data.test_path']} values per row, data.path's {widths['data.path']}",
+                    "point both at data with the same features (the same column, the same layout)",
+                )
+            )
+    return issues
+
+
+def _list_size(schema: pa.Schema, column: str) -> int | None:
+    """Values per row of a fixed-size list column (its type says), else None."""
+    if column not in schema.names:
+        return None
+    kind = schema.field(column).type
+    return kind.list_size if pa.types.is_fixed_size_list(kind) else None
+
+
+def _schema_issues(key: str, schema: pa.Schema, cfg: PipelineConfig) -> list[ConfigIssue]:
+    """What the first file's schema already says `run` would refuse (the columns, their types), with the key
+    to change: the same checks the data load makes on every row, found by ``validate`` from the footer.
+    `key` names the location (``data.path '/data/train.parquet'``)."""
+    from cascade_ray.text import did_you_mean
+
+    data, names = cfg.data, schema.names
+    missing = [
+        ConfigIssue(ckey, f"{key} has no column {col!r}{did_you_mean(col, names)} (columns: {', '.join(names)})")
+        for ckey, col in (("data.inputs.column", data.inputs.column), ("data.target.column", data.target.column))
+        if col not in names
+    ]
+    if missing:
+        return missing
+    issues = []
+    inputs, target = schema.field(data.inputs.column).type, schema.field(data.target.column).type
+    input_is_list = isinstance(inputs, pa.FixedShapeTensorType) or any(is_list(inputs) for is_list in _LISTS)
+    target_is_list = any(is_list(target) for is_list in _LISTS)
+    if not input_is_list:
+        issues.append(
+            ConfigIssue(
+                "data.inputs.column",
+                f"column {data.inputs.column!r} of {key} is {inputs}; the inputs are a list of numbers per row "
+                "or an arrow.fixed_shape_tensor",
+                "point data.inputs.column at the features column (cascade_ray.data.write_parquet writes one)",
+            )
+        )
+    numeric = pa.types.is_integer(target) or pa.types.is_floating(target)
+    kind = data.target.kind
+    if kind == "class" and not numeric:
+        issues.append(
+            ConfigIssue(
+                "data.target.kind" if target_is_list else "data.target.column",
+                f"column {data.target.column!r} of {key} is {target}, but class targets are integer class indices",
+                "set data.target.kind: multilabel or regression for a list per row"
+                if target_is_list
+                else "point data.target.column at the integer labels",
+            )
+        )
+    elif kind == "multilabel" and not target_is_list:
+        issues.append(
+            ConfigIssue(
+                "data.target.kind",
+                f"column {data.target.column!r} of {key} is {target}, but multilabel targets are a list of 0/1 "
+                "flags per row",
+                "set data.target.kind: class for one integer label per row",
+            )
+        )
+    elif kind == "regression" and not (numeric or target_is_list):
+        issues.append(
+            ConfigIssue(
+                "data.target.column",
+                f"column {data.target.column!r} of {key} is {target}, but regression targets are numbers or lists "
+                "of numbers",
+                "point data.target.column at the numeric targets",
+            )
+        )
+    width = _list_size(schema, data.target.column)
+    if kind == "multilabel" and width is not None and data.target.num_classes not in (None, width):
+        issues.append(
+            ConfigIssue(
+                "data.target.num_classes",
+                f"the targets of {key} hold {width} flags per row, but num_classes is {data.target.num_classes}",
+                f"set data.target.num_classes: {width} (or leave it out to take it from the data)",
+            )
+        )
     return issues
 
 
@@ -87,7 +180,8 @@ def storage_issues(run: StorageDir) -> list[ConfigIssue]:
     return []
 
 
-def _data_issues(key: str, spec: str) -> list[ConfigIssue]:
+def _data_issues(key: str, spec: str) -> tuple[list[ConfigIssue], pa.Schema | None]:
+    """Whether the files at `spec` can be found and read, and the first one's schema."""
     shown = redact(spec)
     try:
         files = resolve_files(spec)
@@ -98,17 +192,17 @@ def _data_issues(key: str, spec: str) -> list[ConfigIssue]:
                     f"no parquet file matches {short_repr(shown)}",
                     "point it at a .parquet file, a folder (or object-store prefix) of *.parquet files, or a glob",
                 )
-            ]
+            ], None
         first = files[0]
         if isinstance(first, UriPath):
-            pq.read_schema(first.path, filesystem=first.fs)
+            schema = pq.read_schema(first.path, filesystem=first.fs)
         else:
-            pq.read_schema(first)
+            schema = pq.read_schema(first)
     except ConfigError as exc:
-        return list(exc.issues)
+        return list(exc.issues), None
     except Exception as exc:  # noqa: BLE001 - any failure is reported with the key and the fix
-        return [ConfigIssue(key, f"cannot read {short_repr(shown)}: {_reason(exc)}", STORAGE_ACCESS_FIX)]
-    return []
+        return [ConfigIssue(key, f"cannot read {short_repr(shown)}: {_reason(exc)}", STORAGE_ACCESS_FIX)], None
+    return [], schema
 
 
 def _reason(exc: BaseException) -> str:

@@ -255,6 +255,11 @@ DATA_CASES = [
     DataCase(
         "missing-input-column", _train(lambda p: _table(p, {"pixels": _inputs(), "label": pa.array(_y())})), "not found"
     ),
+    DataCase(
+        "test-file-with-other-features",  # the load's error names the source (the training files) and the split
+        _train(_good, test=lambda p: write_parquet(p, np.ascontiguousarray(_x()[:, :3]), _y()) or p),
+        "input shapes differ between splits",
+    ),
     DataCase("folder-of-mixed-schemas", _train(_mixed_schemas), "every file of a data path must have the same schema"),
     DataCase("folder-of-disagreeing-shapes", _train(_shapes_disagree), "files disagree on cascade_ray.image_shape"),
     DataCase("folder-without-parquet", _train(_empty_folder), "no parquet file matches"),
@@ -357,3 +362,22 @@ def test_malformed_data_through_the_cli_exits_2_before_ray(name, tmp_path, monke
     err = capsys.readouterr().err
     assert str(named) in err, err
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("missing-label-column", "data.target.column"),
+        ("missing-input-column", "data.inputs.column"),
+        ("string-labels", "data.target.column"),
+        ("test-file-with-other-features", "data.test_path"),
+    ],
+)
+def test_what_the_files_schema_shows_fails_validate_too(name, key, tmp_path, capsys, warm):
+    """`validate` read only that the first file opens, so it said OK to data `run` then refused; the
+    columns, their types and a test file's width are in the footer: now both refuse, naming the key."""
+    case = next(c for c in DATA_CASES if c.name == name)
+    kwargs, _ = case.make(tmp_path)
+    assert cli_main(["validate", str(_config(tmp_path, kwargs))]) == 2
+    err = capsys.readouterr().err
+    assert f"  - {key}: " in err, err
