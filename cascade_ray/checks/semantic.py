@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from pydantic import BaseModel
 
@@ -325,6 +326,19 @@ def cache_refusals(stage: StageConfig, index: int, path: str) -> list[tuple[str,
     return refusals
 
 
+def _in_cwd_only(type_name: str) -> str | None:
+    """The current folder's ``pkg/`` or ``pkg.py`` for a ``pkg.module:factory`` that failed to import because
+    the current folder is not on ``sys.path`` (a console script's is its own bin folder); else None."""
+    import sys
+
+    top = type_name.partition(":")[0].partition(".")[0]
+    if ":" not in type_name or not top.isidentifier() or any(p in ("", ".", os.getcwd()) for p in sys.path):
+        return None
+    if os.path.isdir(top):
+        return f"{top}/"
+    return f"{top}.py" if os.path.isfile(f"{top}.py") else None
+
+
 def _model_issues(stage: StageConfig, path: str, trusted: list[str]) -> list[ConfigIssue]:
     assert stage.model is not None
     if ":" in stage.model.type:
@@ -339,6 +353,13 @@ def _model_issues(stage: StageConfig, path: str, trusted: list[str]) -> list[Con
             if ":" in stage.model.type
             else ""
         )
+        here = _in_cwd_only(stage.model.type) if "No module named" in str(exc) else None
+        if here is not None:
+            fix = (
+                f"{here} is in the current folder, which the cascade-ray command does not import from: run it as "
+                "PYTHONPATH=. cascade-ray ... (the embedded Ray's workers inherit it), or pip install -e your "
+                "package; with ray job submit, pass --working-dir ."
+            )
         return [ConfigIssue(f"{path}.model.type", str(exc), fix)]
     return [ConfigIssue(f"{path}.model", message) for message in check_kwargs(factory, stage.model.kwargs())]
 

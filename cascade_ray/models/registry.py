@@ -106,8 +106,13 @@ def resolve_factory(type_name: str, trusted: Iterable[str] = ()) -> Callable[...
         return _import_callable(type_name, trusted)
     if type_name in BUILTIN_MODELS:
         return BUILTIN_MODELS[type_name]
+    module, dot, attr = type_name.rpartition(".")
+    if dot and attr.isidentifier() and all(part.isidentifier() for part in module.split(".")):  # `pkg.mod.f`
+        hint = f"; did you mean '{module}:{attr}'? (a colon before the factory's name)"
+    else:
+        hint = _did_you_mean(type_name, list(BUILTIN_MODELS))
     raise ModelSpecError(
-        f"unknown model type '{type_name}'{_did_you_mean(type_name, list(BUILTIN_MODELS))} "
+        f"unknown model type '{type_name}'{hint} "
         f"(builtins: {', '.join(sorted(BUILTIN_MODELS))}; or 'package.module:Callable')"
     )
 

@@ -181,6 +181,7 @@ def test_resolve_factory_builtin_and_import_path() -> None:
             r"or 'package.module:Callable'\)",
         ),
         ("models/my_net.py", "unknown model type 'models/my_net.py' .builtins"),
+        ("mypkg.stages.patchify", r"did you mean 'mypkg.stages:patchify'\? \(a colon before the factory's name\)"),
         ("no_such_pkg_xyz.mod:Net", "cannot import module 'no_such_pkg_xyz.mod': ModuleNotFoundError"),
         ("torch.nn:Linearr", r"'torch.nn' has no attribute 'Linearr'; did you mean 'Linear'\?"),
         ("torch:pi", "'pi' is a float, not a callable"),
@@ -219,3 +220,25 @@ def test_tensor_width() -> None:
     assert tensor_width([2, 9]) == 9
     with pytest.raises(ValueError, match="2-D, 3-D or 4-D"):
         tensor_width((2,))
+
+
+def test_a_package_in_the_current_folder_that_the_command_cannot_import_gets_pythonpath_as_the_fix(
+    debug_raw, tmp_path, monkeypatch
+):
+    """A console script's sys.path holds its bin folder, not the current one: the guide's `mypkg/` beside the
+    config failed with "No module named 'mypkg'" and a fix about spelling and working_dir."""
+    import sys
+
+    from cascade_ray.checks import validate_config
+    from cascade_ray.errors import ConfigError
+
+    (tmp_path / "cwdpkg_xyz").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    debug_raw["trusted_modules"] = ["cwdpkg_xyz"]
+    debug_raw["stages"][0]["model"] = {"type": "cwdpkg_xyz.stages:net"}
+    with pytest.raises(ConfigError) as info:
+        validate_config(debug_raw)
+    (issue,) = [i for i in info.value.issues if i.path == "stages[0].model.type"]
+    assert "No module named 'cwdpkg_xyz'" in issue.message
+    assert issue.fix.startswith("cwdpkg_xyz/ is in the current folder") and "PYTHONPATH=." in issue.fix
