@@ -348,7 +348,24 @@ def upstream_outputs(
             if chunks
             else np.zeros((0, *next(p for p in plans if p.name == names[-1]).out_shape), np.float32)
         )
+    _check_unchanged(model, upstream_state, cfg.stages[index].name)
     return out
+
+
+def _check_unchanged(model: torch.nn.Module, upstream_state: dict[str, np.ndarray], stage: str) -> None:
+    """The frozen upstream is the same after computing the cache as the state it was loaded from: a module
+    whose forward updates its state (in eval mode) would give each row features from another state than
+    the artifact's, which the workers' drift check never sees on cached features. A bytewise compare, no
+    hashing (the artifact's digests stay the reference)."""
+    from cascade_ray.models.freeze import check_frozen
+
+    state = model.state_dict()
+    changed = [
+        k
+        for k, v in upstream_state.items()
+        if k in state and not np.array_equal(state[k].detach().cpu().numpy(), np.asarray(v))
+    ]
+    check_frozen(dict.fromkeys(changed, "loaded"), dict.fromkeys(changed, "after the feature cache"), stage)
 
 
 def features_digest(arrays: dict[str, np.ndarray]) -> str:

@@ -121,6 +121,16 @@ def test_frozen_drift_in_a_worker_is_an_error_in_the_driver(ray_session, tmp_pat
     assert read_artifact(tmp_path / "debug" / "stages" / "features")[1]
 
 
+def test_frozen_drift_while_the_feature_cache_is_computed_is_an_error_too(ray_session, tmp_path):
+    """On cached features the worker never runs the upstream, so its drift check saw nothing: a module that
+    updates its state in forward trained on features from states other than its artifact's, silently."""
+    cfg = load_config(CONFIGS / "debug.yaml", [f"storage_path={tmp_path}", *DRIFTING_UPSTREAM])
+    assert cfg.stages[1].freeze.cache_features != "off"
+    with pytest.raises(FrozenDriftError, match=r"stage 'encoder': 1 frozen tensor\(s\) changed.*calls"):
+        run_pipeline(cfg, log=lambda _: None)
+    assert read_artifact(tmp_path / "debug" / "stages" / "features")[1]
+
+
 def test_an_error_a_restart_would_repeat_ends_the_stage_without_using_its_restarts(ray_session, tmp_path):
     """A health error (SGD at lr 1e30: the loss is NaN within the first steps) under max_failures: 2. Ray
     Train would restart the worker group twice, from scratch, and fail the same way each time; cascade-ray's
