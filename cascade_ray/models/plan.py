@@ -328,13 +328,26 @@ def _plan_stage(
         kwarg = next(
             (k for k, v in stage.model.kwargs().items() if k in _WIDTH_KWARGS and v == expected), "in_channels"
         )
+        fix = f"set {path}.model.{kwarg}: {got}, or add {path}.adapter: {{type: linear}} to learn a projection"
+        if index == 0 and len(in_shape) == 3 and in_shape[-1] == expected and in_shape[0] != expected:
+            # (H, W, C) declared where stages take (C, H, W): matching the width would train on scrambled images
+            chw = [in_shape[-1], *in_shape[:-1]]
+            store = (
+                " (with one channel a flat row is the same in both orders)"
+                if expected == 1
+                else " and write the rows as (C, H, W) (numpy: x.transpose(0, 3, 1, 2))"
+            )
+            fix = (
+                f"data.inputs.shape {list(in_shape)} puts the channels last, but stages take (C, H, W): if the rows "
+                f"are channels-last images, set data.inputs.shape: {chw}{store}; if they really are (C, H, W), {fix}"
+            )
         return (
             _fail(stage, in_shape),
             ConfigIssue(
                 f"{path}.model.{kwarg}",
                 f"stage {stage.name!r} ({stage.model.type}) expects input width {expected}, but {producer} outputs "
                 f"shape {_fmt(in_shape)} (width {got})",
-                f"set {path}.model.{kwarg}: {got}, or add {path}.adapter: {{type: linear}} to learn a projection",
+                fix,
             ),
             None,
         )

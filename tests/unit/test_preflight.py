@@ -79,6 +79,23 @@ def test_a_module_that_branches_on_values_is_checked_on_one_real_batch(debug_raw
         validate_config(debug_raw)
 
 
+@pytest.mark.parametrize(
+    ("shape", "said"),
+    [
+        ([8, 8, 1], "set data.inputs.shape: [1, 8, 8] (with one channel"),
+        ([8, 8, 3], "set data.inputs.shape: [3, 8, 8] and write the rows"),
+    ],
+)
+def test_a_channels_last_shape_gets_the_layout_fix_first(debug_raw, shape, said):
+    """[8, 8, 1] on 64 flat values got only "set in_channels: 8", which validates and trains on scrambled
+    images."""
+    debug_raw["stages"][0]["model"]["in_channels"] = shape[-1]
+    plans, issues = plan_chain(validate_config(debug_raw, preflight=False), tuple(shape), num_classes=10)
+    (issue,) = issues
+    assert issue.path == "stages[0].model.in_channels" and issue.fix.startswith(f"data.inputs.shape {shape} puts")
+    assert said in issue.fix and "set stages[0].model.in_channels: 8" in issue.fix
+
+
 def test_pretrained_keys_must_match_the_module(debug_raw, tmp_path):
     kwargs = {k: v for k, v in debug_raw["stages"][0]["model"].items() if k != "type"}
     module = build_module("resnet", kwargs)
