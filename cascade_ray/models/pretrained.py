@@ -197,11 +197,16 @@ def match_issues(
             for label, keys in (("missing", missing), ("unexpected", unexpected))
             if keys
         ]
-        fixes = [_prefix_fix(file_meta, module_meta, pretrained)]
-        if missing:
-            fixes.append(f"{key}.strict: false to keep the fresh initialization of the missing keys")
-        if unexpected:
-            fixes.append(f"{key}.strict: false to ignore the unexpected keys")
+        fixes = [_rename_fix(missing, unexpected, pretrained, key), _prefix_fix(file_meta, module_meta, pretrained)]
+        ignored = " and ".join(
+            what
+            for what, keys in (
+                ("keep the fresh initialization of the missing keys", missing),
+                ("ignore the unexpected keys", unexpected),
+            )
+            if keys
+        )
+        fixes.append(f"{key}.strict: false to {ignored}")
         errors.append(
             ConfigIssue(
                 key,
@@ -341,6 +346,22 @@ _SAME = {(str(d), str(d)) for d in _ST_DTYPES.values()}
 def _some(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:_SHOWN])
     return shown + (f", ... {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "") if keys else "none"
+
+
+def _rename_fix(missing: list[str], unexpected: list[str], pretrained: PretrainedConfig, key: str) -> str | None:
+    """When a ``rename`` entry made the unexpected keys out of keys the module has (the missing ones, under
+    the entry's source prefix): the fix that entry needs, since strict: false would leave them untrained."""
+    gone = set(missing)
+    for src, dst in (pretrained.rename or {}).items():
+        undone = [u for u in unexpected if u.startswith(dst) and src + u[len(dst) :] in gone]
+        if undone:
+            back = [src + u[len(dst) :] for u in undone]
+            return (
+                f"{key}.rename maps {src!r} -> {dst!r}, but the module's keys are the ones before it "
+                f"({_some(back)}): drop that entry, or map to the module's prefix (rename maps the file's "
+                "key prefixes to the module's)"
+            )
+    return None
 
 
 def _prefix_fix(file_meta: TensorMeta, module_meta: TensorMeta, pretrained: PretrainedConfig) -> str:

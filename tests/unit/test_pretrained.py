@@ -96,6 +96,16 @@ def test_strict_false_ignores_missing_and_unexpected_keys_but_not_shapes(debug_r
     assert "wrong shape" in text and "'0.weight': file (4, 1, 3, 3), module (5, 1, 3, 3)" in text
 
 
+def test_a_rename_that_maps_the_modules_own_keys_away_is_named_as_the_fix(debug_raw, tmp_path):
+    """rename {'0.': 'conv0.'} made the file's '0.*' keys unexpected 'conv0.*' and left the module's '0.*'
+    missing; the fix offered strict: false twice, which imports the rest and leaves that conv untrained."""
+    path, _ = _net_file(tmp_path)
+    (text,) = _issues(_raw(debug_raw, {"path": path, "prefix": "features.", "rename": {"0.": "conv0."}}))
+    assert "missing 2 ('0.bias', '0.weight'), unexpected 2 ('conv0.bias', 'conv0.weight')" in text
+    assert "fix: stages[0].pretrained.rename maps '0.' -> 'conv0.', but the module's keys are the ones before" in text
+    assert text.count("strict: false") == 1, text
+
+
 def test_a_prefix_no_key_has_is_an_error(debug_raw, tmp_path):
     path, _ = _net_file(tmp_path)
     (text,) = _issues(_raw(debug_raw, {"path": path, "prefix": "backbone."}))
