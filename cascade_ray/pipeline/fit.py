@@ -425,9 +425,10 @@ def fit_stage(
     previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
         return trainer.fit()
-    except SystemExit:  # raised only by Ray Train's SIGINT handler while the fit runs
+    except SystemExit as exc:  # Ray Train's SIGINT handler while the fit runs, or ray.init's SIGTERM handler
+        how = "SIGTERM" if exc.code == signal.SIGTERM else "Ctrl-C"
         raise RunInterruptedError(
-            f"stage {stage.name!r}: interrupted (Ctrl-C) while it trained; nothing of it was adopted\n"
+            f"stage {stage.name!r}: interrupted ({how}) while it trained; nothing of it was adopted\n"
             "    fix: run the same command with --resume to continue it from its latest checkpoint"
         ) from None
     except ray.train.WorkerGroupError as exc:

@@ -80,7 +80,7 @@ def parity_inputs(cascade: Cascade) -> ParityInputs:
     """The test split's first :data:`PARITY_SAMPLES` rows, or a fixed-seed synthetic batch."""
     data, why = _run_data(cascade)
     if data is not None:
-        x = torch.from_numpy(np.asarray(data.x_test[:PARITY_SAMPLES], dtype=np.float32))
+        x = torch.from_numpy(np.array(data.x_test[:PARITY_SAMPLES], dtype=np.float32))  # a copy: may be read-only
         return ParityInputs("test split", _split(x), data)
     spec = cascade.spec
     noise = torch.randn((SYNTHETIC_ROWS, *spec.input_shape), generator=torch.Generator().manual_seed(SYNTHETIC_SEED))

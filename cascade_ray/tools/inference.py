@@ -107,8 +107,9 @@ class InputSpec:
             )
         if top > 100.0 * (mean + std):
             return (
-                f"inputs reach over 100x {seen}: pass them on the training data's scale (e.g. pixels in 0..1 if "
-                "it was trained on 0..1)"
+                f"inputs reach {top:.4g}, over 100x the training inputs' mean + std ({mean:.4g} + {std:.4g}, a "
+                "channel's largest): pass them on the training data's scale (e.g. pixels in 0..1 if it was "
+                "trained on 0..1)"
             )
         return None
 

@@ -307,7 +307,8 @@ def _first_rows_warning(
                 def at(row: int, file: str = file, group: int = group) -> str:  # as an actor names a row
                     return f"--data: {redact(file)} row group {group}, row {row}, input column {column!r}"
 
-                x = torch.from_numpy(np.asarray(input_array(col, spec.input_shape, column, at), dtype=np.float32))
+                # a copy: Arrow's arrays are read-only, which torch.from_numpy warns about (<= 1024 rows)
+                x = torch.from_numpy(np.array(input_array(col, spec.input_shape, column, at), dtype=np.float32))
                 note = spec.scale_warning(x)
                 return f"--data: {redact(file)} row group {group}: {note}" if note else None
     return None
