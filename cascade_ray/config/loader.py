@@ -183,6 +183,21 @@ _TYPE_FIXES = {
 }
 
 
+# what Ray Train / Tune, Lightning and torch call keys this schema names otherwise: unknown key -> its name here
+OTHER_NAMES = {
+    "num_to_keep": "top_k",
+    "checkpoint_score_attribute": "metric",
+    "checkpoint_score_order": "mode",
+    "max_epochs": "epochs",
+    "num_epochs": "epochs",
+    "learning_rate": "lr",
+    "optimizer": "solver",
+    "gradient_clip_val": "grad_clip",
+    "accumulate_grad_batches": "accumulation_steps",
+    "gradient_accumulation_steps": "accumulation_steps",
+}
+
+
 def _translate(err: dict[str, Any], root: type[BaseModel] = PipelineConfig) -> ConfigIssue:
     loc = tuple(err["loc"])
     path = format_path(loc)
@@ -191,6 +206,8 @@ def _translate(err: dict[str, Any], root: type[BaseModel] = PipelineConfig) -> C
         fields = _fields_at(loc[:-1], root)
         key = str(loc[-1])
         hint = did_you_mean(key, fields)
+        if not hint and OTHER_NAMES.get(key) in fields:
+            hint = f"; did you mean {OTHER_NAMES[key]!r}? (cascade-ray's name for it)"
         return ConfigIssue(path, f"unknown key {short_repr(key)}{hint} (valid: {', '.join(sorted(fields))})")
     if kind == "literal_error":
         choices = _literal_choices(loc, root)

@@ -72,5 +72,10 @@ def import_refusal(type_name: str, trusted: Iterable[str]) -> str | None:
     if module.split(".")[0] in _STDLIB:
         return f"{shown!r}: the Python standard library is never importable from a config"
     if not is_trusted(module, tuple(trusted)):
-        return f"{shown!r}: module '{module}' is not trusted (not cascade_ray, not in trusted_modules or --trust)"
+        from cascade_ray.text import did_you_mean
+
+        near = did_you_mean(module.split(".")[0], trusted).replace("did you mean", "trusted_modules lists")
+        return f"{shown!r}: module '{module}' is not trusted (not cascade_ray, not in trusted_modules or --trust)" + (
+            f"{near[:-1]}, a misspelling?" if near else ""
+        )
     return None

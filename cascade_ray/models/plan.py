@@ -372,7 +372,9 @@ def _plan_stage(
             ConfigIssue(
                 f"{path}.model",
                 f"stage {stage.name!r} ({stage.model.type}) fails on input shape {_fmt(in_shape)} from {producer}: {exc}",
-                f"make the module accept {_fmt(in_shape)}, add {path}.adapter, or (first stage) set data.inputs.shape",
+                f"make the module accept {_fmt(in_shape)}"
+                + (f", add {path}.adapter" if expected is not None else "")  # an adapter needs the module's in_width
+                + (", or set data.inputs.shape" if index == 0 else ""),
             ),
             None,
         )

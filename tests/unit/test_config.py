@@ -79,6 +79,11 @@ def test_every_key_problem_in_one_error_and_the_shapes_once_the_rest_is_right(de
         (lambda r: r["stages"][0]["train"].update(epochs=True), "stages[0].train.epochs", "valid integer"),
         (lambda r: r["stages"][0]["model"].update(type="resnt"), "stages[0].model.type", "did you mean 'resnet'"),
         (lambda r: r["stages"][0]["model"].update(widht=[8]), "stages[0].model", "did you mean 'widths'"),
+        (  # Ray Train's name for it
+            lambda r: r["stages"][0]["train"].update(checkpoint={"num_to_keep": 2}),
+            "stages[0].train.checkpoint.num_to_keep",
+            "did you mean 'top_k'? (cascade-ray's name for it)",
+        ),
         (lambda r: r["stages"][2].update(name="encoder"), "stages[2].name", "duplicate stage name 'encoder'"),
         (lambda r: r["data"].update(source="mnist"), "data.source", "valid: digits, fashion_mnist, parquet"),
         (lambda r: r["data"].update(val_fraction=1.5), "data.val_fraction", "less than 1"),

@@ -68,6 +68,11 @@ OVERRIDE_CASES = [
     ([f"stages[0].model={{type: '{SENTINEL}:build'}}"], MODEL_KEY, f"--trust {SENTINEL}"),
     ([f"trusted_modules=[{SENTINEL}]", f"stages[0].model.type={SENTINEL}:os.system"], MODEL_KEY, "not trusted"),
     ([f"trusted_modules=[{SENTINEL}]", f"stages[0].model.type={SENTINEL}:system"], MODEL_KEY, "standard library"),
+    (  # a misspelt trusted package: still refused, and the near name is pointed out
+        [f"trusted_modules=[{SENTINEL}s]", f"stages[0].model={{type: '{SENTINEL}:build'}}"],
+        MODEL_KEY,
+        f"trusted_modules lists '{SENTINEL}s', a misspelling?",
+    ),
 ]
 
 
