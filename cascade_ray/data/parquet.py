@@ -326,7 +326,12 @@ def write_parquet(
     if row_group_rows < 1:
         raise DataError(f"write_parquet: row_group_rows={row_group_rows}; expected a positive number of rows")
     input_column, target_column = image_column or input_column, label_column or target_column
-    y = np.asarray(y)
+    try:
+        x, y = np.asarray(x), np.asarray(y)  # a list of rows too
+    except ValueError as exc:  # numpy: "inhomogeneous shape"
+        raise DataError(f"write_parquet: {exc}; give every input row one shape and every target one length") from None
+    if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
+        raise DataError(f"write_parquet: inputs have dtype {x.dtype}, expected numbers")
     if not 2 <= x.ndim <= 4 or len(x) != len(y) or y.ndim not in (1, 2):
         raise DataError(
             f"write_parquet: x {x.shape} and y {y.shape}; expected x as (N, D), (N, T, D) or (N, C, H, W) "

@@ -160,3 +160,16 @@ def test_write_parquet_row_groups_round_trip_and_scan(tmp_path):
     assert (ra.train_rows, ra.val_rows, ra.row_groups, rb.row_groups) == (rb.train_rows, rb.val_rows, 2, 5)
     with pytest.raises(DataError, match="row_group_rows=0"):
         write_parquet(tmp_path / "c.parquet", x, y, row_group_rows=0)
+
+
+def test_write_parquet_takes_lists_of_rows_and_refuses_ragged_or_text_inputs_in_its_own_words(tmp_path):
+    """A Python list as x raised AttributeError ('list' object has no attribute 'ndim')."""
+    from cascade_ray.data.parquet import load_parquet
+
+    path = tmp_path / "rows.parquet"
+    write_parquet(path, [[1.0, 2.0], [3.0, 4.0]] * 5, [0, 1] * 5)
+    splits = load_parquet(path, test_path=path, train_size=None, val_fraction=0.2, seed=0)
+    assert splits.input_shape == (2,)
+    for x, said in (([[1.0, 2.0], [3.0]], "give every input row one shape"), ([["a"], ["b"]], "expected numbers")):
+        with pytest.raises(DataError, match=said):
+            write_parquet(path, x, [0, 1])
