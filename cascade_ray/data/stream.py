@@ -93,8 +93,15 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def input_array(col: pa.Array | pa.ChunkedArray, shape: Sequence[int], column: str, where: Where) -> np.ndarray:
-    """(N, *shape) numpy of a fixed-size list, list or ``arrow.fixed_shape_tensor`` column.
+def input_array(
+    col: pa.Array | pa.ChunkedArray,
+    shape: Sequence[int],
+    column: str,
+    where: Where,
+    fix: str = "fix data.inputs.shape",
+) -> np.ndarray:
+    """(N, *shape) numpy of a fixed-size list, list or ``arrow.fixed_shape_tensor`` column. `fix`: what to do
+    about rows of another length (the config key in training; predict's rows must fit the run).
 
     Raises:
         DataError: a null row or value, a row of the wrong length, a non-numeric type, NaN/Inf.
@@ -112,7 +119,7 @@ def input_array(col: pa.Array | pa.ChunkedArray, shape: Sequence[int], column: s
         if col.type.list_size != size:
             raise DataError(
                 f"{where(0)}: input {column!r} rows hold {col.type.list_size} values, shape {list(shape)} "
-                f"needs {size}; fix data.inputs.shape"
+                f"needs {size}; {fix}"
             )
     elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
         lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
@@ -120,7 +127,7 @@ def input_array(col: pa.Array | pa.ChunkedArray, shape: Sequence[int], column: s
             row = _first(lengths != size)
             raise DataError(
                 f"{where(row)}: input {column!r} holds {int(lengths[row])} values, shape {list(shape)} needs "
-                f"{size}; {_NO_SKIP}, or fix data.inputs.shape"
+                f"{size}; {_NO_SKIP}, or {fix}"
             )
     else:
         raise DataError(

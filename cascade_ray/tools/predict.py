@@ -145,6 +145,10 @@ class PredictReport:
         return json.dumps(asdict(self), indent=2)
 
 
+# predict's rows must fit the run: the config's data.inputs.shape is not predict's to change
+ROWS_FIX = "write every row with the run's input shape (flat, or in that shape)"
+
+
 class CascadePredictor:
     """Ray Data actor: the run's cascade, rebuilt once from its re-validated config and the
     numpy state in the object store (on the actor's GPU when Ray gave it one), applied to
@@ -193,7 +197,7 @@ class CascadePredictor:
         def where(row: int) -> str:
             return f"--data: {at}, row {row}, input column {self.column!r}"
 
-        x = input_array(col, self.cascade.spec.input_shape, self.column, where)
+        x = input_array(col, self.cascade.spec.input_shape, self.column, where, ROWS_FIX)
         with warnings.catch_warnings():  # the driver looked at the first row group and says it once
             warnings.simplefilter("ignore", InputScaleWarning)
             out = self.cascade.predict(x, batch_rows=self.batch_rows)
@@ -308,7 +312,9 @@ def _first_rows_warning(
                     return f"--data: {redact(file)} row group {group}, row {row}, input column {column!r}"
 
                 # a copy: Arrow's arrays are read-only, which torch.from_numpy warns about (<= 1024 rows)
-                x = torch.from_numpy(np.array(input_array(col, spec.input_shape, column, at), dtype=np.float32))
+                x = torch.from_numpy(
+                    np.array(input_array(col, spec.input_shape, column, at, ROWS_FIX), dtype=np.float32)
+                )
                 note = spec.scale_warning(x)
                 return f"--data: {redact(file)} row group {group}: {note}" if note else None
     return None
