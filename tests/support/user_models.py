@@ -138,12 +138,13 @@ def counted(in_channels: int = 16, width: int = 16, log: str = os.devnull) -> nn
 
 
 class _RaisesInTraining(nn.Module):
-    """A 1x1 convolution whose forward raises a plain ValueError once it trains (a bug in a user's module)."""
+    """A 1x1 convolution (or a linear layer on the last dim) whose forward raises a plain ValueError once it
+    trains (a bug in a user's module)."""
 
-    def __init__(self, in_channels: int, width: int):
+    def __init__(self, in_channels: int, width: int, layer: str):
         super().__init__()
         self.in_width = in_channels
-        self.proj = nn.Conv2d(in_channels, width, 1)
+        self.proj = nn.Conv2d(in_channels, width, 1) if layer == "conv" else nn.Linear(in_channels, width)
 
     def forward(self, x):
         if self.training and x.device.type != "meta":  # the shape check (on meta) passes
@@ -151,9 +152,10 @@ class _RaisesInTraining(nn.Module):
         return self.proj(x)
 
 
-def raises_in_training(in_channels: int = 16, width: int = 16) -> nn.Module:
-    """A stage module on (B, C, H, W) maps that plans and validates, then raises in its first training step."""
-    return _RaisesInTraining(in_channels, width)
+def raises_in_training(in_channels: int = 16, width: int = 16, layer: str = "conv") -> nn.Module:
+    """A stage module on (B, C, H, W) maps (`layer: linear`: on (B, ..., D)) that plans and validates, then
+    raises in its first training step."""
+    return _RaisesInTraining(in_channels, width, layer)
 
 
 class _ShapedOutput(nn.Module):
