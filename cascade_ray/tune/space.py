@@ -58,8 +58,8 @@ class SchedulerSpec(_Strict):
     grace_period: int = Field(
         1,
         ge=1,
-        description="ASHA: epochs every trial runs before it can be stopped; below the epochs a trial trains "
-        "(else ASHA could stop nothing, an error).",
+        description="ASHA: epochs every trial runs before it can be stopped; past the epochs a trial trains is "
+        "an error (ASHA could stop nothing, and Ray refuses it).",
     )
     max_t: int | None = Field(
         None,
@@ -262,8 +262,8 @@ def asha_max_t(space: TuneSpace, stage_epochs: int) -> int:
 def _scheduler_issues(space: TuneSpace, stage_epochs: int) -> list[ConfigIssue]:
     """ASHA settings the stage's epochs make wrong: a ``max_t`` that would stop every trial before its
     ``train.epochs`` (the adopted stage would have trained fewer epochs than its config says), and a
-    ``grace_period`` that leaves ASHA nothing to stop (at or past a trial's last epoch; past ``max_t``
-    Ray's scheduler failed an assert after Ray started)."""
+    ``grace_period`` past ``max_t`` (Ray's scheduler failed an assert after Ray started). A grace_period
+    equal to the last epoch is accepted: ASHA then stops nothing early, which a 1-epoch stage cannot avoid."""
     if space.scheduler.type != "asha" or stage_epochs < 1:
         return []
     most = trial_epochs(space, stage_epochs)[1]
@@ -284,14 +284,14 @@ def _scheduler_issues(space: TuneSpace, stage_epochs: int) -> list[ConfigIssue]:
                 ),
             )
         ]
-    if grace >= most:
+    if grace > max_t:  # Ray's ASHA asserts grace_period <= max_t when the sweep starts, after Ray started
         return [
             ConfigIssue(
                 "scheduler.grace_period",
-                f"grace_period {grace} is not below the last epoch a trial trains ({most}), so ASHA can stop "
-                "no trial early",
-                f"set grace_period below {most} (e.g. 1), or use scheduler: {{type: fifo}}, which runs every "
-                "trial to the end",
+                f"grace_period {grace} is past the last epoch a trial trains ({max_t}), so ASHA could never stop "
+                "a trial (Ray's scheduler refuses it)",
+                f"set grace_period to at most {max_t}, or use scheduler: {{type: fifo}}, which runs every trial to "
+                "the end",
             )
         ]
     return []
