@@ -278,12 +278,15 @@ def _target_problems(name: str, y: np.ndarray, kind: str, width: int) -> list[st
     return []
 
 
-def _absent_fix(absent: list[int], counts: np.ndarray) -> str:
+def _absent_fix(absent: list[int], counts: np.ndarray, elsewhere: np.ndarray) -> str:
     """Why classes of [0, num_classes) have no training sample, from where they are: past the largest label
-    (num_classes too high), below the smallest (labels not 0-based), or between (too few rows)."""
+    (num_classes too high), below the smallest (labels not 0-based), or between (too few rows). `elsewhere`:
+    the val and test labels; a class they hold is one the training rows missed, not a wrong count."""
     present = np.flatnonzero(counts).tolist()
     if len(present) == 1:
         return f"every training label is {present[0]}: a classifier needs samples of at least 2 classes"
+    if set(absent) & {int(v) for v in np.unique(elsewhere)}:
+        return "the training split holds none of them: raise data.train_size (when set), or use data with every class"
     if present and absent == list(range(present[-1] + 1, len(counts))):
         return (
             f"the labels go up to {present[-1]}: set data.target.num_classes: {present[-1] + 1} "
@@ -340,7 +343,8 @@ def validate_splits(splits: DataSplits) -> None:
         counts = np.bincount(y[y < s.num_classes], minlength=s.num_classes)
         absent = np.flatnonzero(counts == 0).tolist()
         if absent:
-            problems.append(f"train: class(es) {absent} have no sample; {_absent_fix(absent, counts)}")
+            elsewhere = np.concatenate([np.asarray(s.y_val).reshape(-1), np.asarray(s.y_test).reshape(-1)])
+            problems.append(f"train: class(es) {absent} have no sample; {_absent_fix(absent, counts, elsewhere)}")
     mean, std = np.asarray(s.mean), np.asarray(s.std)
     if not (np.isfinite(mean).all() and np.isfinite(std).all() and (std > 0).all()):
         problems.append(

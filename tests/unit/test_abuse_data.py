@@ -242,7 +242,14 @@ DATA_CASES = [
     ),
     DataCase("one-class-only", _train(lambda p: write_parquet(p, _x(), _y() * 0)), "every training label is 0"),
     DataCase(
-        "one-based-labels", _train(lambda p: write_parquet(p, _x(), _y() + 1)), "the labels start at 1, but classes"
+        "one-based-labels",
+        _train(lambda p: write_parquet(p, _x(), _y() + 1), test=lambda p: write_parquet(p, _x(), _y() + 1) or p),
+        "the labels start at 1, but classes",
+    ),
+    DataCase(  # num_classes (unset) is taken from every split: class 2 is only in the test file
+        "a-class-only-in-the-test-file",
+        _train(_good, test=lambda p: write_parquet(p, _x(), np.arange(ROWS) % 3) or p, num_classes=None),
+        "the training split holds none of them",
     ),
     DataCase(
         "num-classes-past-the-labels",
