@@ -353,7 +353,9 @@ def _model_issues(stage: StageConfig, path: str, trusted: list[str]) -> list[Con
             if ":" in stage.model.type
             else ""
         )
-        here = _in_cwd_only(stage.model.type) if "No module named" in str(exc) else None
+        top = stage.model.type.partition(":")[0].partition(".")[0]
+        # the package itself not found (not one of its own imports failing)
+        here = _in_cwd_only(stage.model.type) if f"No module named '{top}'" in str(exc) else None
         if here is not None:
             fix = (
                 f"{here} is in the current folder, which the cascade-ray command does not import from: run it as "

@@ -8,18 +8,24 @@ and cascade-ray; the driver's stage error names it (``cascade_ray.pipeline.failu
 
 from __future__ import annotations
 
+import os
+import sysconfig
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
 NOTE = "cascade-ray: raised at "
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+# not the user's code: cascade-ray itself and Python's standard library (installed packages: "-packages")
+_NOT_OWN = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in (Path(__file__).resolve().parents[1], sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
+)
 
 
 def own_frame(frames: Iterable[tuple[str, int | str, str]]) -> tuple[str, int | str, str] | None:
     """The deepest of `frames` (file, line, function; outermost first) outside installed packages (torch,
-    Ray), cascade-ray itself and Python's frozen modules: the user's code, or None."""
-    own = [f for f in frames if "-packages" not in f[0] and not f[0].startswith((_PACKAGE_DIR, "<"))]
+    Ray), cascade-ray itself, the standard library and Python's frozen modules: the user's code, or None."""
+    own = [f for f in frames if "-packages" not in f[0] and not f[0].startswith(("<", *_NOT_OWN))]
     return own[-1] if own else None
 
 

@@ -134,3 +134,19 @@ def test_the_workers_note_names_the_users_frame_even_when_rays_text_lost_it():
     cut = "[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n... (Output truncated) ...\nValueError: x"
     text = str(training_error(ray.train.WorkerGroupError(cut, {0: raised}), "classifier", 2))
     assert "test_failures.py:" in text and "in _user_module_step)" in text, text
+
+
+def test_the_users_frame_is_not_the_standard_librarys_nor_cascade_rays():
+    """random.choice([]) in a user's forward is the user's line, not random.py's."""
+    import random
+    import sysconfig
+
+    from cascade_ray.stage import raised
+    from cascade_ray.stage.raised import own_frame
+
+    user = ("/home/me/mypkg/stages.py", 12, "forward")
+    stdlib = (random.__file__, 378, "choice")
+    package = (raised.__file__, 30, "mark_raised_at")
+    assert random.__file__.startswith(sysconfig.get_paths()["stdlib"])
+    assert own_frame([user, stdlib]) == user and own_frame([user, package]) == user
+    assert own_frame([stdlib, package]) is None
