@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -355,16 +356,20 @@ def upstream_outputs(
 def _check_unchanged(model: torch.nn.Module, upstream_state: dict[str, np.ndarray], stage: str) -> None:
     """The frozen upstream is the same after computing the cache as the state it was loaded from: a module
     whose forward updates its state (in eval mode) would give each row features from another state than
-    the artifact's, which the workers' drift check never sees on cached features. A bytewise compare, no
-    hashing (the artifact's digests stay the reference)."""
+    the artifact's, which the workers' drift check never sees on cached features. A bytewise compare in the
+    module's dtype (a bf16 tensor's state is widened to float32 in numpy; NaN equals itself), no hashing
+    (the artifact's digests stay the reference)."""
     from cascade_ray.models.freeze import check_frozen
 
+    def same(now: torch.Tensor, loaded: np.ndarray) -> bool:
+        with warnings.catch_warnings():  # the object store's arrays are read-only; nothing writes them here
+            warnings.simplefilter("ignore", UserWarning)
+            then = torch.from_numpy(np.asarray(loaded)).to(now.dtype)
+        now = now.detach().cpu().contiguous().reshape(-1)
+        return torch.equal(now.view(torch.uint8), then.contiguous().reshape(-1).view(torch.uint8))
+
     state = model.state_dict()
-    changed = [
-        k
-        for k, v in upstream_state.items()
-        if k in state and not np.array_equal(state[k].detach().cpu().numpy(), np.asarray(v))
-    ]
+    changed = [k for k, v in upstream_state.items() if k in state and not same(state[k], v)]
     check_frozen(dict.fromkeys(changed, "loaded"), dict.fromkeys(changed, "after the feature cache"), stage)
 
 
