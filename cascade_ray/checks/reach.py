@@ -29,12 +29,12 @@ import pyarrow.parquet as pq
 
 from cascade_ray.config.schema import PipelineConfig
 from cascade_ray.constants import TRACKING_PROBE_TIMEOUT_S
+from cascade_ray.data.parquet import LIST_TYPES
 from cascade_ray.errors import ConfigError, ConfigIssue
 from cascade_ray.storage import STORAGE_ACCESS_FIX, StorageDir, UriPath, as_storage, local_path, redact, resolve_files
 from cascade_ray.text import short_repr
 
 PROBE_PREFIX = ".cascade-probe-"
-_LISTS = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
 
 
 def reach_issues(cfg: PipelineConfig) -> list[ConfigIssue]:
@@ -85,8 +85,8 @@ def _schema_issues(key: str, schema: pa.Schema, cfg: PipelineConfig) -> list[Con
         return missing
     issues = []
     inputs, target = schema.field(data.inputs.column).type, schema.field(data.target.column).type
-    input_is_list = isinstance(inputs, pa.FixedShapeTensorType) or any(is_list(inputs) for is_list in _LISTS)
-    target_is_list = any(is_list(target) for is_list in _LISTS)
+    input_is_list = isinstance(inputs, pa.FixedShapeTensorType) or any(is_list(inputs) for is_list in LIST_TYPES)
+    target_is_list = any(is_list(target) for is_list in LIST_TYPES)
     if not input_is_list:
         issues.append(
             ConfigIssue(

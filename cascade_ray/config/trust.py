@@ -74,7 +74,9 @@ def import_refusal(type_name: str, trusted: Iterable[str]) -> str | None:
     if not is_trusted(module, tuple(trusted)):
         from cascade_ray.text import did_you_mean
 
-        near = did_you_mean(module.split(".")[0], trusted).replace("did you mean", "trusted_modules lists")
+        top = module.split(".")[0]
+        others = [t for t in trusted if t.split(".")[0] != top]  # `mypkg.sub` trusts only a part: no misspelling
+        near = did_you_mean(top, others).replace("did you mean", "trusted_modules lists")
         return f"{shown!r}: module '{module}' is not trusted (not cascade_ray, not in trusted_modules or --trust)" + (
             f"{near[:-1]}, a misspelling?" if near else ""
         )

@@ -44,7 +44,8 @@ MAX_CLASS_INDEX = MAX_CLASSES - 1
 
 SHAPE_METADATA_KEY = b"cascade_ray.image_shape"
 _SHAPE_KEY_TEXT = SHAPE_METADATA_KEY.decode()
-_LIST_TYPES = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
+# the Arrow list types a row of numbers comes as
+LIST_TYPES = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
 
 
 def _resolve_files(path: str | os.PathLike, knob: str) -> tuple[list[str], pafs.FileSystem | None]:
@@ -129,7 +130,7 @@ def _targets(col: pa.Array, kind: str, where: str) -> np.ndarray:
     """Targets of one split, shaped by kind: class (N,) int64, multilabel / regression (N, K) float32."""
     if col.null_count:
         raise DataError(f"{where}: {col.null_count} null target(s); drop those rows")
-    is_list = any(is_list(col.type) for is_list in _LIST_TYPES)
+    is_list = any(is_list(col.type) for is_list in LIST_TYPES)
     if kind == "class":
         if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
             raise DataError(
@@ -210,7 +211,7 @@ def _read(
         raise DataError(f"{where}: {inputs.null_count} null input(s); drop those rows")
     if isinstance(inputs.type, pa.FixedShapeTensorType):
         x = _tensor_inputs(inputs, shape, where)
-    elif any(is_list(inputs.type) for is_list in _LIST_TYPES):
+    elif any(is_list(inputs.type) for is_list in LIST_TYPES):
         x = _list_inputs(inputs, shape, meta_shape, where)
     else:
         raise DataError(

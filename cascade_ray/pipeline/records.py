@@ -249,7 +249,9 @@ class RunSummary(_Record):
             return "finished"
         at = next((s.name for s in self.stages if isinstance(s, StageState) and s.status != "pending"), None)
         where = "" if at is None else (f" in stage {at!r}" if self.status == "failed" else f" stage {at!r}")
-        first = textwrap.shorten(self.error.splitlines()[0], 200, placeholder=" ...") if self.error else ""
+        line = self.error.splitlines()[0] if self.error else ""
+        first = textwrap.shorten(line, 200, placeholder=" ...")
+        first = line[:200] if first == "..." else first  # one word over 200 characters: cut it instead
         return f"{self.status}{where}" + (f" ({first})" if first else "")
 
 

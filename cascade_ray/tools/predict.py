@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from cascade_ray.data.parquet import SHAPE_METADATA_KEY, _resolve_files
+from cascade_ray.data.parquet import LIST_TYPES, SHAPE_METADATA_KEY, _resolve_files
 from cascade_ray.errors import CascadeError, innermost
 from cascade_ray.logs import quiet_ray_data
 from cascade_ray.models.weights import to_numpy_state
@@ -63,7 +63,6 @@ from cascade_ray.tools.inference import (
 )
 
 OUTPUT_COLUMNS = ("prediction", "probabilities")
-_LIST_TYPES = (pa.types.is_fixed_size_list, pa.types.is_list, pa.types.is_large_list)
 
 
 def input_issue(
@@ -98,7 +97,7 @@ def input_issue(
             stored = tuple(int(d) for d in json.loads(meta)) if meta else None
         except (ValueError, TypeError):
             return f"schema metadata {SHAPE_METADATA_KEY.decode()} is {meta[:80]!r}, not a list of ints"
-    if not any(is_list(kind) for is_list in _LIST_TYPES):
+    if not any(is_list(kind) for is_list in LIST_TYPES):
         return f"input column {column!r} is {kind}; expected a list of numbers or a tensor per row ({takes})"
     if not (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
         return f"input column {column!r} holds {kind.value_type} values; expected numbers"

@@ -150,3 +150,10 @@ def test_the_users_frame_is_not_the_standard_librarys_nor_cascade_rays():
     assert random.__file__.startswith(sysconfig.get_paths()["stdlib"])
     assert own_frame([user, stdlib]) == user and own_frame([user, package]) == user
     assert own_frame([stdlib, package]) is None
+
+
+def test_an_unfinished_runs_status_keeps_a_long_first_word_of_its_error():
+    from cascade_ray.pipeline.records import RunSummary
+
+    summary = RunSummary.model_construct(status="failed", stages=[], error="OSError: s3://" + "x" * 300)
+    assert summary.describe().startswith("failed (OSError: s3://xxx") and len(summary.describe()) < 230

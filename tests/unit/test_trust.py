@@ -169,3 +169,11 @@ def test_a_run_config_trust_can_be_ignored_or_extended(debug_raw):
     tampered = cfg.model_copy(update={"trusted_modules": ["subprocess"]})  # a config.yaml edited by hand
     with pytest.raises(ConfigError, match="trusted_modules"):
         with_trust(tampered)
+
+
+def test_the_misspelling_hint_is_not_given_for_a_trusted_subpackage():
+    from cascade_ray.config.trust import import_refusal
+
+    assert "a misspelling?" in import_refusal("mypkg.heads:Head", ["mypkgs"])
+    refusal = import_refusal("mypkg.heads:Head", ["mypkg.model"])  # trusts a part of mypkg, spelled right
+    assert "is not trusted" in refusal and "misspelling" not in refusal
