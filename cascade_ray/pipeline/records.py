@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import textwrap
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -249,9 +248,10 @@ class RunSummary(_Record):
             return "finished"
         at = next((s.name for s in self.stages if isinstance(s, StageState) and s.status != "pending"), None)
         where = "" if at is None else (f" in stage {at!r}" if self.status == "failed" else f" stage {at!r}")
-        line = self.error.splitlines()[0] if self.error else ""
-        first = textwrap.shorten(line, 200, placeholder=" ...")
-        first = line[:200] if first == "..." else first  # one word over 200 characters: cut it instead
+        first = self.error.splitlines()[0] if self.error else ""
+        if len(first) > 200:  # at the last space of the first 200 characters, unless that loses over half
+            cut = first[:200].rfind(" ")
+            first = (first[:cut] if cut > 100 else first[:200]) + " ..."
         return f"{self.status}{where}" + (f" ({first})" if first else "")
 
 
